@@ -1,0 +1,243 @@
+//! Bind first, run second.
+//!
+//! [`build`] binds the admin socket and every route's listener and returns a [`Bound`] holding
+//! the real addresses (port 0 in tests becomes a real port). [`Bound::run`] is the lifecycle of
+//! CONTRACT section 3, top to bottom: serve until a trigger, then lame duck, close listeners,
+//! drain, and exit as soon as the last connection closes or reset the rest when the grace
+//! period runs out. It returns the [`Exit`] that `main` turns into the process status.
+
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tracing::{info, warn};
+
+use crate::admin::{self, Admin};
+use crate::config::{Config, Direction, OutboundShutdown, Route};
+use crate::conns::Connections;
+use crate::drain::{Drain, Phase, ShutdownReason, signal_name};
+use crate::listener::{self, Shared};
+use crate::metrics::Metrics;
+use crate::signals::ShutdownSignals;
+
+/// How often the drain reports its progress in the log.
+const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
+/// How long reset connections get to finish their tasks before the process exits anyway.
+const FORCE_CLOSE_WAIT: Duration = Duration::from_secs(1);
+
+/// A socket could not be bound: which one, where, and why.
+#[derive(Debug)]
+pub struct BuildError {
+    what: String,
+    addr: SocketAddr,
+    source: io::Error,
+}
+
+impl fmt::Display for BuildError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "failed to bind the {} on {}: {}", self.what, self.addr, self.source)
+    }
+}
+
+impl std::error::Error for BuildError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
+}
+
+/// How the process ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exit {
+    /// Drained, or the grace period ran out and the rest was reset: status 0.
+    Graceful,
+    /// A second SIGTERM or SIGINT stopped the drain: status 128 + the signal.
+    Forced(i32),
+}
+
+impl Exit {
+    pub fn code(self) -> i32 {
+        match self {
+            Exit::Graceful => 0,
+            Exit::Forced(signal) => 128 + signal,
+        }
+    }
+}
+
+/// Every socket bound, nothing served yet.
+pub struct Bound {
+    config: Config,
+    admin: TcpListener,
+    admin_addr: SocketAddr,
+    /// Each route with its real listen address, and its listener.
+    listeners: Vec<(Arc<Route>, TcpListener)>,
+}
+
+/// Binds the admin server and every route. Must run inside a Tokio runtime.
+pub fn build(config: Config) -> Result<Bound, BuildError> {
+    let admin = listener::bind(config.admin)
+        .map_err(|source| BuildError { what: "admin server".into(), addr: config.admin, source })?;
+    let admin_addr = admin.local_addr().unwrap_or(config.admin);
+    let mut listeners = Vec::with_capacity(config.routes.len());
+    for route in &config.routes {
+        let bound = listener::bind(route.listen).map_err(|source| BuildError {
+            what: format!("{} listener", route.direction),
+            addr: route.listen,
+            source,
+        })?;
+        let listen = bound.local_addr().unwrap_or(route.listen);
+        listeners.push((Arc::new(Route { listen, ..Route::clone(route) }), bound));
+    }
+    Ok(Bound { config, admin, admin_addr, listeners })
+}
+
+impl Bound {
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// The real listen address of every route, in configuration order.
+    pub fn route_addrs(&self) -> Vec<(Direction, SocketAddr)> {
+        self.listeners.iter().map(|(route, _)| (route.direction, route.listen)).collect()
+    }
+
+    /// Serves, then shuts down as CONTRACT section 3 says.
+    pub async fn run(self, mut signals: ShutdownSignals) -> Exit {
+        let Bound { config, admin, admin_addr, listeners } = self;
+        let drain = Arc::new(Drain::default());
+        let conns = Arc::new(Connections::default());
+        let metrics = Arc::new(Metrics::new(conns.clone(), drain.clone()));
+        let admin_state = Admin {
+            drain: drain.clone(),
+            conns: conns.clone(),
+            metrics: metrics.clone(),
+            shutdown_endpoint: config.shutdown_endpoint,
+        };
+        tokio::spawn(admin::serve(admin, Arc::new(admin_state)));
+        info!(listen = %admin_addr, shutdown_endpoint = config.shutdown_endpoint, "admin server listening");
+
+        let shared = Arc::new(Shared {
+            drain: drain.clone(),
+            conns: conns.clone(),
+            metrics: metrics.clone(),
+            connect_timeout: config.connect_timeout,
+        });
+        for (route, bound) in listeners {
+            info!(direction = %route.direction, listen = %route.listen, target = %route.target, protocol = route.protocol.as_str(), "listening");
+            let tracker = &drain.side(route.direction).tracker;
+            tracker.spawn(listener::accept_loop(bound, route, shared.clone()));
+        }
+        if signals.arrived() {
+            info!("a shutdown signal arrived during start-up");
+        } else {
+            drain.start_serving();
+            info!("serving");
+        }
+
+        // Serving, until the first trigger.
+        let reason = tokio::select! {
+            // The kubelet, a supervisor or an operator sent SIGTERM or SIGINT.
+            signal = signals.next() => {
+                drain.trigger(ShutdownReason::Signal(signal));
+                drain.reason().unwrap_or(ShutdownReason::Signal(signal))
+            }
+            // A loopback client posted /shutdown.
+            reason = drain.triggered() => reason,
+        };
+        let (started, _) = drain.started_at().expect("the drain records when it was triggered");
+        let deadline = started + config.shutdown_grace_period;
+        info!(
+            trigger = %reason,
+            grace_period = %humantime::format_duration(config.shutdown_grace_period),
+            lame_duck_period = %humantime::format_duration(config.lame_duck_period),
+            open_connections = conns.len(),
+            "shutdown started"
+        );
+        drain.inbound.tracker.close();
+        drain.outbound.tracker.close();
+
+        let sequence = drain_sequence(&drain, &config);
+        tokio::pin!(sequence);
+        let mut progress = tokio::time::interval_at((started + PROGRESS_INTERVAL).into(), PROGRESS_INTERVAL);
+        loop {
+            tokio::select! {
+                // The last connection closed.
+                () = &mut sequence => {
+                    info!(elapsed_ms = started.elapsed().as_millis() as u64, "drained: every connection closed, exiting");
+                    return Exit::Graceful;
+                }
+                // The grace period ran out.
+                () = tokio::time::sleep_until(deadline.into()) => {
+                    force_close(&drain, &conns, &metrics, "the grace period ran out").await;
+                    return Exit::Graceful;
+                }
+                // A second SIGTERM or SIGINT: stop now.
+                signal = signals.next() => {
+                    warn!(signal = signal_name(signal), "second shutdown signal: stopping now");
+                    force_close(&drain, &conns, &metrics, "a second signal asked to stop now").await;
+                    return Exit::Forced(signal);
+                }
+                // Time to tell the operator how the drain is going.
+                _ = progress.tick() => {
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    info!(
+                        phase = drain.phase().as_str(),
+                        open_connections = conns.len(),
+                        grace_left_ms = left.as_millis() as u64,
+                        "draining"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Lame duck, then close the listeners, then wait until every connection has closed.
+async fn drain_sequence(drain: &Drain, config: &Config) {
+    let after_inbound = config.outbound_shutdown == OutboundShutdown::AfterInbound;
+    drain.inbound.go_away.cancel();
+    if !after_inbound {
+        drain.outbound.go_away.cancel();
+    }
+    if !config.lame_duck_period.is_zero() {
+        info!(period = %humantime::format_duration(config.lame_duck_period), "lame duck: still accepting, asking connections to go away");
+        tokio::time::sleep(config.lame_duck_period).await;
+    }
+    drain.set_phase(Phase::Draining);
+    drain.inbound.close_listeners.cancel();
+    if after_inbound {
+        drain.inbound.tracker.wait().await;
+        info!("inbound side drained; closing the outbound listeners");
+        drain.outbound.go_away.cancel();
+        drain.outbound.close_listeners.cancel();
+        drain.outbound.tracker.wait().await;
+    } else {
+        drain.outbound.close_listeners.cancel();
+        tokio::join!(drain.inbound.tracker.wait(), drain.outbound.tracker.wait());
+    }
+}
+
+/// Resets every connection still open, naming each in the log.
+async fn force_close(drain: &Drain, conns: &Connections, metrics: &Metrics, why: &str) {
+    drain.set_phase(Phase::Terminating);
+    let survivors = conns.snapshot();
+    warn!(connections = survivors.len(), "{why}: resetting the remaining connections");
+    for conn in &survivors {
+        warn!("force-closing {}", conn.describe());
+    }
+    metrics.force_closed(survivors.len() as u64);
+    for side in [&drain.inbound, &drain.outbound] {
+        side.go_away.cancel();
+        side.close_listeners.cancel();
+    }
+    drain.terminate.cancel();
+    let closed = tokio::time::timeout(FORCE_CLOSE_WAIT, async {
+        tokio::join!(drain.inbound.tracker.wait(), drain.outbound.tracker.wait());
+    })
+    .await;
+    if closed.is_err() {
+        warn!("some connection tasks did not finish in time; exiting anyway");
+    }
+}

@@ -1,0 +1,682 @@
+//! Configuration: the command line, the `LAMEDUCK_*` environment variables and their defaults,
+//! parsed along one path into a validated [`Config`].
+//!
+//! Every setting has a flag and a variable (CONTRACT section 5). A flag wins over its variable,
+//! a variable over the default. Values are parsed by the same function whichever source they
+//! came from, and a bad value becomes a [`ConfigError`] that names the flag or the variable it
+//! came from, quotes the value and shows a good example; `main` turns it into exit status 2.
+//!
+//! Tests build a [`Config`] with [`Config::from_sources`] and a map standing in for the process
+//! environment, so they never touch the real one. Nothing here binds sockets or reads files.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+
+/// The inbound route used when neither `--inbound` nor `--outbound` names one.
+pub const DEFAULT_INBOUND_ROUTE: &str = "0.0.0.0:4143=127.0.0.1:8080";
+/// Where the admin server listens by default (kubelet probes and Prometheus reach it).
+pub const DEFAULT_ADMIN_ADDR: &str = "0.0.0.0:4191";
+/// How long a shutdown may take before the remaining connections are reset.
+pub const DEFAULT_SHUTDOWN_GRACE_PERIOD: Duration = Duration::from_secs(120);
+/// How long listeners keep accepting after the shutdown trigger.
+pub const DEFAULT_LAME_DUCK_PERIOD: Duration = Duration::ZERO;
+/// How long a connection to a target may take.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The log filter when neither `--log`, `LAMEDUCK_LOG` nor `RUST_LOG` is set.
+pub const DEFAULT_LOG_FILTER: &str = "info";
+/// The longest duration any setting accepts; anything longer is a typo, not a wish.
+pub const MAX_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The proxy's flags as the user typed them. Values stay raw strings here so that a flag and
+/// its variable go through the same parser in [`Config::from_sources`].
+#[derive(Args, Debug, Default, Clone)]
+pub struct ProxyArgs {
+    /// Inbound route LISTEN=TARGET[/PROTOCOL], repeatable [env: LAMEDUCK_INBOUND, comma-separated]
+    /// [default when no route is given: 0.0.0.0:4143=127.0.0.1:8080]
+    #[arg(long, value_name = "ROUTE")]
+    pub inbound: Vec<String>,
+
+    /// Outbound route LISTEN=TARGET[/PROTOCOL], repeatable [env: LAMEDUCK_OUTBOUND, comma-separated]
+    #[arg(long, value_name = "ROUTE")]
+    pub outbound: Vec<String>,
+
+    /// Admin server address [env: LAMEDUCK_ADMIN] [default: 0.0.0.0:4191]
+    #[arg(long, value_name = "ADDR")]
+    pub admin: Option<String>,
+
+    /// How long a shutdown may last before the remaining connections are reset
+    /// [env: LAMEDUCK_SHUTDOWN_GRACE_PERIOD] [default: 120s]
+    #[arg(long, value_name = "DURATION")]
+    pub shutdown_grace_period: Option<String>,
+
+    /// How long listeners keep accepting after the shutdown trigger, asking every HTTP
+    /// connection to go away [env: LAMEDUCK_LAME_DUCK_PERIOD] [default: 0s]
+    #[arg(long, value_name = "DURATION")]
+    pub lame_duck_period: Option<String>,
+
+    /// When outbound listeners close: with the inbound ones (immediate) or once every inbound
+    /// connection has closed (after-inbound) [env: LAMEDUCK_OUTBOUND_SHUTDOWN] [default: immediate]
+    #[arg(long, value_name = "immediate|after-inbound")]
+    pub outbound_shutdown: Option<String>,
+
+    /// Enable `POST /shutdown` on the admin server (loopback peers only)
+    /// [env: LAMEDUCK_SHUTDOWN_ENDPOINT=true|false] [default: disabled]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub shutdown_endpoint: Option<String>,
+
+    /// How long connecting to a target may take [env: LAMEDUCK_CONNECT_TIMEOUT] [default: 5s]
+    #[arg(long, value_name = "DURATION")]
+    pub connect_timeout: Option<String>,
+
+    /// Log filter, RUST_LOG syntax [env: LAMEDUCK_LOG, else RUST_LOG] [default: info]
+    #[arg(long, value_name = "FILTER")]
+    pub log: Option<String>,
+
+    /// Log format [env: LAMEDUCK_LOG_FORMAT] [default: plain]
+    #[arg(long, value_name = "plain|json")]
+    pub log_format: Option<String>,
+}
+
+/// Which way a route faces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// Faces the network: peers outside the pod reaching the app.
+    Inbound,
+    /// Faces the app: the app reaching services outside the pod.
+    Outbound,
+}
+
+impl Direction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::Inbound => "inbound",
+            Direction::Outbound => "outbound",
+        }
+    }
+}
+
+impl fmt::Display for Direction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a route expects to carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// Detect HTTP/1, HTTP/2 prior knowledge, else opaque TCP. Until HTTP proxying lands,
+    /// every connection on an `auto` route is forwarded as opaque TCP.
+    Auto,
+    /// Opaque TCP, byte for byte.
+    Tcp,
+}
+
+impl Protocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Auto => "auto",
+            Protocol::Tcp => "tcp",
+        }
+    }
+}
+
+/// Where a route forwards to: an address, or a host name resolved at connect time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Target {
+    Addr(SocketAddr),
+    Host { host: String, port: u16 },
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Addr(addr) => write!(f, "{addr}"),
+            Target::Host { host, port } => write!(f, "{host}:{port}"),
+        }
+    }
+}
+
+/// One `LISTEN=TARGET[/PROTOCOL]` route.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    pub direction: Direction,
+    pub listen: SocketAddr,
+    pub target: Target,
+    pub protocol: Protocol,
+}
+
+/// When outbound listeners close during a shutdown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutboundShutdown {
+    /// Together with the inbound listeners.
+    Immediate,
+    /// Once every inbound connection has closed, for apps that still call out while they
+    /// finish their own requests.
+    AfterInbound,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Plain,
+    Json,
+}
+
+/// The validated configuration of the proxy.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub routes: Vec<Arc<Route>>,
+    pub admin: SocketAddr,
+    pub shutdown_grace_period: Duration,
+    pub lame_duck_period: Duration,
+    pub outbound_shutdown: OutboundShutdown,
+    pub shutdown_endpoint: bool,
+    pub connect_timeout: Duration,
+    pub log_filter: String,
+    pub log_format: LogFormat,
+}
+
+/// A setting that could not be used: which one, the value as given, why, and a good example.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The flag (`--connect-timeout`) or variable (`LAMEDUCK_CONNECT_TIMEOUT`) it came from.
+    pub setting: String,
+    pub value: String,
+    pub reason: String,
+    pub example: &'static str,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid value {:?} for {}: {}; for example {}",
+            self.value, self.setting, self.reason, self.example
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// A flag and the variable that stands in for it.
+struct Setting {
+    flag: &'static str,
+    var: &'static str,
+    example: &'static str,
+}
+
+const INBOUND: Setting = Setting {
+    flag: "--inbound",
+    var: "LAMEDUCK_INBOUND",
+    example: "0.0.0.0:4143=127.0.0.1:8080",
+};
+const OUTBOUND: Setting = Setting {
+    flag: "--outbound",
+    var: "LAMEDUCK_OUTBOUND",
+    example: "127.0.0.1:4140=payments.default.svc:8443/tcp",
+};
+const ADMIN: Setting = Setting {
+    flag: "--admin",
+    var: "LAMEDUCK_ADMIN",
+    example: "0.0.0.0:4191",
+};
+const GRACE: Setting = Setting {
+    flag: "--shutdown-grace-period",
+    var: "LAMEDUCK_SHUTDOWN_GRACE_PERIOD",
+    example: "90s, 2m or 1m 30s",
+};
+const LAME_DUCK: Setting = Setting {
+    flag: "--lame-duck-period",
+    var: "LAMEDUCK_LAME_DUCK_PERIOD",
+    example: "0s, 5s or 1m",
+};
+const OUTBOUND_SHUTDOWN: Setting = Setting {
+    flag: "--outbound-shutdown",
+    var: "LAMEDUCK_OUTBOUND_SHUTDOWN",
+    example: "immediate or after-inbound",
+};
+const SHUTDOWN_ENDPOINT: Setting = Setting {
+    flag: "--shutdown-endpoint",
+    var: "LAMEDUCK_SHUTDOWN_ENDPOINT",
+    example: "true or false",
+};
+const CONNECT_TIMEOUT: Setting = Setting {
+    flag: "--connect-timeout",
+    var: "LAMEDUCK_CONNECT_TIMEOUT",
+    example: "5s or 500ms",
+};
+const LOG: Setting = Setting {
+    flag: "--log",
+    var: "LAMEDUCK_LOG",
+    example: "info or lameduck=debug,warn",
+};
+const LOG_FORMAT: Setting = Setting {
+    flag: "--log-format",
+    var: "LAMEDUCK_LOG_FORMAT",
+    example: "plain or json",
+};
+
+/// A raw value and the name of the flag or variable it came from.
+struct Raw {
+    value: String,
+    source: String,
+}
+
+impl Raw {
+    fn error(&self, reason: impl Into<String>, example: &'static str) -> ConfigError {
+        ConfigError {
+            setting: self.source.clone(),
+            value: self.value.clone(),
+            reason: reason.into(),
+            example,
+        }
+    }
+}
+
+/// Reads the process environment; what `main` passes to [`Config::from_sources`].
+pub fn process_env(name: &str) -> Option<OsString> {
+    std::env::var_os(name)
+}
+
+impl Config {
+    /// Builds the configuration from parsed flags and an environment lookup.
+    pub fn from_sources(
+        args: ProxyArgs,
+        env: impl Fn(&str) -> Option<OsString>,
+    ) -> Result<Config, ConfigError> {
+        let lookup = |setting: &Setting, flag_value: Option<String>| -> Result<Option<Raw>, ConfigError> {
+            if let Some(value) = flag_value {
+                return Ok(Some(Raw { value, source: setting.flag.to_string() }));
+            }
+            env_value(&env, setting.var, setting.example)
+        };
+
+        let mut routes = Vec::new();
+        for (setting, direction, flags) in [
+            (&INBOUND, Direction::Inbound, args.inbound),
+            (&OUTBOUND, Direction::Outbound, args.outbound),
+        ] {
+            let raws: Vec<Raw> = if flags.is_empty() {
+                match env_value(&env, setting.var, setting.example)? {
+                    Some(raw) => split_list(raw),
+                    None => Vec::new(),
+                }
+            } else {
+                flags
+                    .into_iter()
+                    .flat_map(|value| split_list(Raw { value, source: setting.flag.to_string() }))
+                    .collect()
+            };
+            for raw in raws {
+                routes.push(Arc::new(parse_route(&raw, direction, setting.example)?));
+            }
+        }
+        if routes.is_empty() {
+            let raw = Raw { value: DEFAULT_INBOUND_ROUTE.to_string(), source: "the default route".into() };
+            routes.push(Arc::new(parse_route(&raw, Direction::Inbound, INBOUND.example)?));
+        }
+        check_distinct_listeners(&routes)?;
+
+        let admin = match lookup(&ADMIN, args.admin)? {
+            Some(raw) => parse_socket_addr(&raw, ADMIN.example)?,
+            None => DEFAULT_ADMIN_ADDR.parse().expect("the default admin address is valid"),
+        };
+        let grace_raw = lookup(&GRACE, args.shutdown_grace_period)?;
+        let shutdown_grace_period = match &grace_raw {
+            Some(raw) => parse_duration(raw, GRACE.example)?,
+            None => DEFAULT_SHUTDOWN_GRACE_PERIOD,
+        };
+        let lame_duck_period = match lookup(&LAME_DUCK, args.lame_duck_period)? {
+            Some(raw) => {
+                let period = parse_duration(&raw, LAME_DUCK.example)?;
+                if period > shutdown_grace_period {
+                    return Err(raw.error(
+                        format!(
+                            "the lame-duck period must not be longer than the shutdown grace period ({})",
+                            humantime::format_duration(shutdown_grace_period)
+                        ),
+                        LAME_DUCK.example,
+                    ));
+                }
+                period
+            }
+            None => DEFAULT_LAME_DUCK_PERIOD,
+        };
+        let outbound_shutdown = match lookup(&OUTBOUND_SHUTDOWN, args.outbound_shutdown)? {
+            Some(raw) => match raw.value.as_str() {
+                "immediate" => OutboundShutdown::Immediate,
+                "after-inbound" => OutboundShutdown::AfterInbound,
+                _ => return Err(raw.error("expected immediate or after-inbound", OUTBOUND_SHUTDOWN.example)),
+            },
+            None => OutboundShutdown::Immediate,
+        };
+        let shutdown_endpoint = match lookup(&SHUTDOWN_ENDPOINT, args.shutdown_endpoint)? {
+            Some(raw) => parse_bool(&raw, SHUTDOWN_ENDPOINT.example)?,
+            None => false,
+        };
+        let connect_timeout = match lookup(&CONNECT_TIMEOUT, args.connect_timeout)? {
+            Some(raw) => {
+                let timeout = parse_duration(&raw, CONNECT_TIMEOUT.example)?;
+                if timeout.is_zero() {
+                    return Err(raw.error("the connect timeout must be longer than zero", CONNECT_TIMEOUT.example));
+                }
+                timeout
+            }
+            None => DEFAULT_CONNECT_TIMEOUT,
+        };
+        let log_filter = match lookup(&LOG, args.log)? {
+            Some(raw) => Some(raw),
+            None => env_value(&env, "RUST_LOG", LOG.example)?,
+        };
+        let log_filter = match log_filter {
+            Some(raw) => {
+                if let Err(error) = tracing_subscriber::EnvFilter::builder().parse(&raw.value) {
+                    return Err(raw.error(error.to_string(), LOG.example));
+                }
+                raw.value
+            }
+            None => DEFAULT_LOG_FILTER.to_string(),
+        };
+        let log_format = match lookup(&LOG_FORMAT, args.log_format)? {
+            Some(raw) => match raw.value.as_str() {
+                "plain" => LogFormat::Plain,
+                "json" => LogFormat::Json,
+                _ => return Err(raw.error("expected plain or json", LOG_FORMAT.example)),
+            },
+            None => LogFormat::Plain,
+        };
+
+        Ok(Config {
+            routes,
+            admin,
+            shutdown_grace_period,
+            lame_duck_period,
+            outbound_shutdown,
+            shutdown_endpoint,
+            connect_timeout,
+            log_filter,
+            log_format,
+        })
+    }
+}
+
+/// Reads one variable; a value that is not UTF-8 is an error naming the variable.
+fn env_value(
+    env: &impl Fn(&str) -> Option<OsString>,
+    var: &str,
+    example: &'static str,
+) -> Result<Option<Raw>, ConfigError> {
+    match env(var) {
+        None => Ok(None),
+        Some(os) => match os.into_string() {
+            Ok(value) => Ok(Some(Raw { value, source: var.to_string() })),
+            Err(os) => Err(ConfigError {
+                setting: var.to_string(),
+                value: os.to_string_lossy().into_owned(),
+                reason: "the value is not valid UTF-8".into(),
+                example,
+            }),
+        },
+    }
+}
+
+/// Splits a comma-separated list; empty items (`a,,b`, a trailing comma, an empty variable)
+/// are skipped.
+fn split_list(raw: Raw) -> Vec<Raw> {
+    raw.value
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| Raw { value: item.to_string(), source: raw.source.clone() })
+        .collect()
+}
+
+fn parse_route(raw: &Raw, direction: Direction, example: &'static str) -> Result<Route, ConfigError> {
+    let Some((listen, rest)) = raw.value.split_once('=') else {
+        return Err(raw.error("a route is LISTEN=TARGET[/PROTOCOL]", example));
+    };
+    let (target, protocol) = match rest.rsplit_once('/') {
+        Some((target, protocol)) => (target, Some(protocol)),
+        None => (rest, None),
+    };
+    let protocol = match protocol {
+        None | Some("auto") => Protocol::Auto,
+        Some("tcp") => Protocol::Tcp,
+        Some("http") => {
+            return Err(raw.error(
+                "the /http protocol is not supported by this version yet; use /tcp or /auto",
+                example,
+            ));
+        }
+        Some(other) => {
+            return Err(raw.error(format!("unknown protocol {other:?}, expected auto, http or tcp"), example));
+        }
+    };
+    let listen: SocketAddr = listen
+        .trim()
+        .parse()
+        .map_err(|_| raw.error(format!("the listen address {listen:?} is not IP:PORT"), example))?;
+    let target = parse_target(target.trim())
+        .map_err(|reason| raw.error(format!("the target {target:?} {reason}"), example))?;
+    Ok(Route { direction, listen, target, protocol })
+}
+
+fn parse_target(target: &str) -> Result<Target, &'static str> {
+    if let Ok(addr) = target.parse::<SocketAddr>() {
+        if addr.port() == 0 {
+            return Err("needs a port other than 0");
+        }
+        return Ok(Target::Addr(addr));
+    }
+    let Some((host, port)) = target.rsplit_once(':') else {
+        return Err("is not IP:PORT or HOST:PORT");
+    };
+    let port: u16 = match port.parse() {
+        Ok(port) if port != 0 => port,
+        _ => return Err("needs a port from 1 to 65535"),
+    };
+    let valid_host = !host.is_empty()
+        && host.len() <= 253
+        && host.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'));
+    if !valid_host {
+        return Err("is not IP:PORT or HOST:PORT");
+    }
+    Ok(Target::Host { host: host.to_string(), port })
+}
+
+fn parse_socket_addr(raw: &Raw, example: &'static str) -> Result<SocketAddr, ConfigError> {
+    raw.value.trim().parse().map_err(|_| raw.error("expected IP:PORT", example))
+}
+
+/// Parses a humantime duration (`90s`, `2m`, `1m 30s`, `1.5s`); a bare `0` means zero.
+fn parse_duration(raw: &Raw, example: &'static str) -> Result<Duration, ConfigError> {
+    let value = raw.value.trim();
+    if value == "0" {
+        return Ok(Duration::ZERO);
+    }
+    if value.is_empty() {
+        return Err(raw.error("a duration is needed", example));
+    }
+    if value.starts_with('-') {
+        return Err(raw.error("a duration cannot be negative", example));
+    }
+    if value.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(raw.error("a duration needs a unit", example));
+    }
+    let duration = humantime::parse_duration(value).map_err(|error| raw.error(error.to_string(), example))?;
+    if duration > MAX_DURATION {
+        return Err(raw.error(
+            format!("longer than the maximum of {}", humantime::format_duration(MAX_DURATION)),
+            example,
+        ));
+    }
+    Ok(duration)
+}
+
+fn parse_bool(raw: &Raw, example: &'static str) -> Result<bool, ConfigError> {
+    match raw.value.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" | "enabled" => Ok(true),
+        "false" | "0" | "no" | "off" | "disabled" => Ok(false),
+        _ => Err(raw.error("expected true or false", example)),
+    }
+}
+
+/// Two routes on one listen address would fail to bind; say so as a configuration error.
+fn check_distinct_listeners(routes: &[Arc<Route>]) -> Result<(), ConfigError> {
+    for (i, route) in routes.iter().enumerate() {
+        if route.listen.port() == 0 {
+            continue;
+        }
+        if let Some(other) = routes[..i].iter().find(|other| other.listen == route.listen) {
+            return Err(ConfigError {
+                setting: format!("--{}", route.direction),
+                value: format!("{}={}", route.listen, route.target),
+                reason: format!("{} is already the listen address of the {} route to {}", route.listen, other.direction, other.target),
+                example: "a distinct LISTEN address for every route",
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn config(args: ProxyArgs, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let env: HashMap<String, OsString> = env.iter().map(|(k, v)| (k.to_string(), OsString::from(v))).collect();
+        Config::from_sources(args, |name| env.get(name).cloned())
+    }
+
+    fn grace(value: &str) -> Result<Duration, ConfigError> {
+        config(ProxyArgs { shutdown_grace_period: Some(value.into()), ..Default::default() }, &[])
+            .map(|c| c.shutdown_grace_period)
+    }
+
+    #[test]
+    fn defaults_run_one_inbound_route() {
+        let config = config(ProxyArgs::default(), &[]).unwrap();
+        assert_eq!(config.routes.len(), 1);
+        let route = &config.routes[0];
+        assert_eq!(route.direction, Direction::Inbound);
+        assert_eq!(route.listen, "0.0.0.0:4143".parse().unwrap());
+        assert_eq!(route.target, Target::Addr("127.0.0.1:8080".parse().unwrap()));
+        assert_eq!(route.protocol, Protocol::Auto);
+        assert_eq!(config.admin, "0.0.0.0:4191".parse().unwrap());
+        assert_eq!(config.shutdown_grace_period, Duration::from_secs(120));
+        assert_eq!(config.lame_duck_period, Duration::ZERO);
+        assert_eq!(config.outbound_shutdown, OutboundShutdown::Immediate);
+        assert!(!config.shutdown_endpoint);
+        assert_eq!(config.connect_timeout, Duration::from_secs(5));
+        assert_eq!(config.log_filter, "info");
+        assert_eq!(config.log_format, LogFormat::Plain);
+    }
+
+    #[test]
+    fn routes_parse_every_documented_form() {
+        let config = config(
+            ProxyArgs {
+                inbound: vec!["[::]:4143=[::1]:8080/tcp".into()],
+                outbound: vec!["127.0.0.1:4140=payments.default.svc:8443/tcp".into()],
+                ..Default::default()
+            },
+            &[],
+        )
+        .unwrap();
+        assert_eq!(config.routes.len(), 2, "an outbound route replaces no inbound one");
+        assert_eq!(config.routes[0].target, Target::Addr("[::1]:8080".parse().unwrap()));
+        assert_eq!(
+            config.routes[1].target,
+            Target::Host { host: "payments.default.svc".into(), port: 8443 }
+        );
+        assert_eq!(config.routes[1].direction, Direction::Outbound);
+        assert_eq!(config.routes[1].protocol, Protocol::Tcp);
+    }
+
+    #[test]
+    fn only_an_outbound_route_means_no_default_inbound() {
+        let config = config(ProxyArgs::default(), &[("LAMEDUCK_OUTBOUND", "127.0.0.1:4140=10.0.0.1:80")]).unwrap();
+        assert_eq!(config.routes.len(), 1);
+        assert_eq!(config.routes[0].direction, Direction::Outbound);
+    }
+
+    #[test]
+    fn variables_are_comma_separated_and_flags_win() {
+        let env = [
+            ("LAMEDUCK_INBOUND", "127.0.0.1:1=127.0.0.1:2, 127.0.0.1:3=127.0.0.1:4,"),
+            ("LAMEDUCK_SHUTDOWN_GRACE_PERIOD", "1m 30s"),
+        ];
+        let from_env = config(ProxyArgs::default(), &env).unwrap();
+        assert_eq!(from_env.routes.len(), 2);
+        assert_eq!(from_env.shutdown_grace_period, Duration::from_secs(90));
+        let flagged =
+            config(ProxyArgs { shutdown_grace_period: Some("7s".into()), ..Default::default() }, &env).unwrap();
+        assert_eq!(flagged.shutdown_grace_period, Duration::from_secs(7));
+    }
+
+    #[test]
+    fn http_routes_are_refused_until_http_proxying_exists() {
+        let error =
+            config(ProxyArgs { inbound: vec!["127.0.0.1:1=127.0.0.1:2/http".into()], ..Default::default() }, &[])
+                .unwrap_err();
+        assert_eq!(error.setting, "--inbound");
+        assert!(error.reason.contains("/http"), "{error}");
+    }
+
+    #[test]
+    fn durations_follow_humantime_and_reject_nonsense() {
+        assert_eq!(grace("90s").unwrap(), Duration::from_secs(90));
+        assert_eq!(grace("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(grace("0s").unwrap(), Duration::ZERO);
+        assert_eq!(grace("0").unwrap(), Duration::ZERO);
+        for bad in ["", "-1s", "10", "1e3s", "18446744073709551615d", "2d", "soon"] {
+            let error = grace(bad).unwrap_err();
+            assert_eq!(error.setting, "--shutdown-grace-period", "{bad:?}");
+            assert_eq!(error.value, bad);
+            assert!(error.to_string().contains("90s"), "the message shows a good example: {error}");
+        }
+    }
+
+    #[test]
+    fn lame_duck_longer_than_grace_is_refused() {
+        let error = config(
+            ProxyArgs {
+                shutdown_grace_period: Some("5s".into()),
+                lame_duck_period: Some("6s".into()),
+                ..Default::default()
+            },
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(error.setting, "--lame-duck-period");
+    }
+
+    #[test]
+    fn errors_name_the_variable_when_the_value_came_from_it() {
+        let error = config(ProxyArgs::default(), &[("LAMEDUCK_CONNECT_TIMEOUT", "0s")]).unwrap_err();
+        assert_eq!(error.setting, "LAMEDUCK_CONNECT_TIMEOUT");
+        let error = config(ProxyArgs::default(), &[("LAMEDUCK_SHUTDOWN_ENDPOINT", "maybe")]).unwrap_err();
+        assert_eq!(error.setting, "LAMEDUCK_SHUTDOWN_ENDPOINT");
+        let error = config(ProxyArgs::default(), &[("RUST_LOG", "lameduck=loud")]).unwrap_err();
+        assert_eq!(error.setting, "RUST_LOG");
+    }
+
+    #[test]
+    fn bad_routes_are_refused_with_the_route_quoted() {
+        for bad in ["127.0.0.1:1", "nonsense=127.0.0.1:2", "127.0.0.1:1=127.0.0.1:0", "127.0.0.1:1=host", "127.0.0.1:1=a b:80", "127.0.0.1:1=127.0.0.1:2/udp"] {
+            let error = config(ProxyArgs { inbound: vec![bad.into()], ..Default::default() }, &[]).unwrap_err();
+            assert_eq!(error.value, bad);
+        }
+        let error = config(
+            ProxyArgs { inbound: vec!["127.0.0.1:9=127.0.0.1:2".into(), "127.0.0.1:9=127.0.0.1:3".into()], ..Default::default() },
+            &[],
+        )
+        .unwrap_err();
+        assert!(error.reason.contains("already"), "{error}");
+    }
+}

@@ -1,0 +1,186 @@
+//! The shutdown, owned in one place.
+//!
+//! [`Drain`] holds every signal of the shutdown sequence: whether it has been triggered (and
+//! why), the current [`Phase`], one [`Side`] per direction with its listeners' close signal and
+//! the tracker of its connections, and the `terminate` token that resets whatever is still open.
+//! Nothing else in the crate keeps a flag of its own. `app::run` is the only code that advances
+//! the phases; listeners and connections only listen.
+
+use std::fmt;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::{Instant, SystemTime};
+
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::Direction;
+
+/// What started the shutdown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShutdownReason {
+    /// SIGTERM or SIGINT, by number.
+    Signal(i32),
+    /// `POST /shutdown` on the admin server.
+    AdminRequest,
+}
+
+impl fmt::Display for ShutdownReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ShutdownReason::Signal(signal) => f.write_str(signal_name(*signal)),
+            ShutdownReason::AdminRequest => f.write_str("POST /shutdown"),
+        }
+    }
+}
+
+pub fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGINT => "SIGINT",
+        libc::SIGHUP => "SIGHUP",
+        _ => "signal",
+    }
+}
+
+/// The phases of CONTRACT section 3.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Phase {
+    Starting = 0,
+    Serving = 1,
+    LameDuck = 2,
+    Draining = 3,
+    Terminating = 4,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 5] = [Phase::Starting, Phase::Serving, Phase::LameDuck, Phase::Draining, Phase::Terminating];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Starting => "starting",
+            Phase::Serving => "serving",
+            Phase::LameDuck => "lame_duck",
+            Phase::Draining => "draining",
+            Phase::Terminating => "terminating",
+        }
+    }
+}
+
+/// The shutdown state of one direction's listeners and connections.
+#[derive(Debug, Default)]
+pub struct Side {
+    /// Cancelled by `app::run` when this side's connections must ask their peers to go away
+    /// (HTTP `connection: close`, GOAWAY); opaque TCP ignores it.
+    pub go_away: CancellationToken,
+    /// Cancelled by `app::run` when this side's listeners must stop accepting; each accept
+    /// loop then accepts what is already queued and closes its socket.
+    pub close_listeners: CancellationToken,
+    /// Tracks this side's accept loops and connection tasks; closed by `app::run` once the
+    /// shutdown starts, so that `wait()` ends when the side has drained.
+    pub tracker: TaskTracker,
+}
+
+/// Tokens one connection task watches, children of the drain-wide ones.
+#[derive(Debug)]
+pub struct ConnTokens {
+    /// Cancelled when the connection should ask its peer to go away.
+    pub go_away: CancellationToken,
+    /// Cancelled when the connection must be reset now (grace period over, or "stop now").
+    pub terminate: CancellationToken,
+}
+
+#[derive(Debug)]
+pub struct Drain {
+    /// Cancelled by [`Drain::trigger`]: the shutdown has started and `/ready` answers 503.
+    shutdown: CancellationToken,
+    reason: OnceLock<ShutdownReason>,
+    started_at: OnceLock<(Instant, SystemTime)>,
+    phase: AtomicU8,
+    pub inbound: Side,
+    pub outbound: Side,
+    /// Cancelled by `app::run` when the grace period runs out or a second signal arrives:
+    /// every connection task resets its sockets and ends.
+    pub terminate: CancellationToken,
+}
+
+impl Default for Drain {
+    fn default() -> Self {
+        Drain {
+            shutdown: CancellationToken::new(),
+            reason: OnceLock::new(),
+            started_at: OnceLock::new(),
+            phase: AtomicU8::new(Phase::Starting as u8),
+            inbound: Side::default(),
+            outbound: Side::default(),
+            terminate: CancellationToken::new(),
+        }
+    }
+}
+
+impl Drain {
+    /// Starts the shutdown. Returns false (and changes nothing) when it had already started.
+    pub fn trigger(&self, reason: ShutdownReason) -> bool {
+        if self.reason.set(reason).is_err() {
+            return false;
+        }
+        let _ = self.started_at.set((Instant::now(), SystemTime::now()));
+        self.set_phase(Phase::LameDuck);
+        self.shutdown.cancel();
+        true
+    }
+
+    /// Resolves once the shutdown has been triggered.
+    pub async fn triggered(&self) -> ShutdownReason {
+        self.shutdown.cancelled().await;
+        *self.reason.get().expect("the reason is set before the token is cancelled")
+    }
+
+    pub fn reason(&self) -> Option<ShutdownReason> {
+        self.reason.get().copied()
+    }
+
+    /// When the shutdown started: a monotonic instant for deadlines and wall time for metrics.
+    pub fn started_at(&self) -> Option<(Instant, SystemTime)> {
+        self.started_at.get().copied()
+    }
+
+    pub fn phase(&self) -> Phase {
+        Phase::ALL[self.phase.load(Ordering::Acquire) as usize]
+    }
+
+    pub fn set_phase(&self, phase: Phase) {
+        self.phase.store(phase as u8, Ordering::Release);
+    }
+
+    /// Marks the proxy as serving, unless a shutdown already started (a signal during start-up).
+    pub fn start_serving(&self) {
+        let _ = self.phase.compare_exchange(
+            Phase::Starting as u8,
+            Phase::Serving as u8,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    /// What `/ready` reports: true only while serving.
+    pub fn is_ready(&self) -> bool {
+        self.phase() == Phase::Serving
+    }
+
+    pub fn side(&self, direction: Direction) -> &Side {
+        match direction {
+            Direction::Inbound => &self.inbound,
+            Direction::Outbound => &self.outbound,
+        }
+    }
+
+    /// Tokens for a new connection of `direction`.
+    pub fn conn_tokens(&self, direction: Direction) -> ConnTokens {
+        ConnTokens {
+            go_away: self.side(direction).go_away.child_token(),
+            terminate: self.terminate.child_token(),
+        }
+    }
+}

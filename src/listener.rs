@@ -1,0 +1,181 @@
+//! Listening sockets and the accept loop of every proxy route.
+//!
+//! [`bind`] opens a socket with the options the proxy wants (address reuse, a deep backlog).
+//! [`accept_loop`] hands each accepted connection to the route's handler as a task tracked by
+//! the side's [`TaskTracker`](tokio_util::task::TaskTracker), backs off instead of spinning when
+//! the process runs out of file descriptors or memory, and when its side's listeners close,
+//! accepts what the kernel already queued (those clients completed their handshake) before
+//! closing the socket, so that later connection attempts are refused at once.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use socket2::{Domain, Socket, Type};
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{Instrument, debug, info, warn};
+
+use crate::config::Route;
+use crate::conns::{ConnProtocol, Connections};
+use crate::drain::Drain;
+use crate::metrics::Metrics;
+use crate::tcp;
+
+/// Queue length for connections whose handshake is done but which are not yet accepted.
+const LISTEN_BACKLOG: i32 = 1024;
+/// First and longest pause after an accept error caused by exhausted resources.
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_millis(100);
+/// At most one log line per this interval about exhausted resources.
+const ACCEPT_ERROR_LOG_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Binds a listening TCP socket on `addr`.
+pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(LISTEN_BACKLOG)?;
+    TcpListener::from_std(socket.into())
+}
+
+/// Everything a connection task needs, shared by all connections of the process.
+#[derive(Debug)]
+pub struct Shared {
+    pub drain: Arc<Drain>,
+    pub conns: Arc<Connections>,
+    pub metrics: Arc<Metrics>,
+    pub connect_timeout: Duration,
+}
+
+/// Accepts connections for `route` until its side's listeners close.
+pub async fn accept_loop(listener: TcpListener, route: Arc<Route>, shared: Arc<Shared>) {
+    let side = shared.drain.side(route.direction);
+    let mut errors = AcceptErrors::default();
+    loop {
+        let accepted = tokio::select! {
+            // Closing wins over a ready connection so that a flood of connects cannot delay
+            // the refusal promised after the shutdown.
+            biased;
+            // The shutdown sequence closed this side's listeners.
+            _ = side.close_listeners.cancelled() => break,
+            // A client connected, or accept failed.
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                errors.succeeded();
+                spawn_connection(stream, peer, &route, &shared);
+            }
+            Err(error) => {
+                shared.metrics.accept_failed(route.direction);
+                tokio::select! {
+                    // The shutdown sequence closed this side's listeners while backing off.
+                    _ = side.close_listeners.cancelled() => break,
+                    // The pause after the error (none for an error of one connection) is over.
+                    _ = errors.failed(&error, route.listen) => {}
+                }
+            }
+        }
+    }
+    accept_queued(listener, &route, &shared);
+    info!(direction = %route.direction, listen = %route.listen, "listener closed");
+}
+
+/// Accepts every connection already in the kernel's queue, then closes the listener.
+fn accept_queued(listener: TcpListener, route: &Arc<Route>, shared: &Arc<Shared>) {
+    let listener = match listener.into_std() {
+        Ok(listener) => listener,
+        Err(error) => {
+            warn!(%error, "could not take the listener out of the runtime; queued connections are dropped");
+            return;
+        }
+    };
+    let mut queued = 0usize;
+    loop {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                let stream = stream.set_nonblocking(true).and_then(|()| TcpStream::from_std(stream));
+                match stream {
+                    Ok(stream) => {
+                        queued += 1;
+                        spawn_connection(stream, peer, route, shared);
+                    }
+                    Err(error) => debug!(%error, %peer, "could not register a queued connection"),
+                }
+            }
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
+            Err(error) if is_resource_exhaustion(&error) => {
+                warn!(%error, "out of resources while accepting queued connections; the rest are reset");
+                break;
+            }
+            Err(_) => continue,
+        }
+    }
+    if queued > 0 {
+        info!(direction = %route.direction, listen = %route.listen, queued, "accepted queued connections while closing");
+    }
+    // Dropping `listener` closes the socket: the kernel refuses new connection attempts.
+}
+
+fn spawn_connection(stream: TcpStream, peer: SocketAddr, route: &Arc<Route>, shared: &Arc<Shared>) {
+    let registration = shared.conns.register(route.clone(), peer, ConnProtocol::Tcp);
+    shared.metrics.connection_opened(route.direction, ConnProtocol::Tcp);
+    let tokens = shared.drain.conn_tokens(route.direction);
+    let span = tracing::debug_span!("conn", id = registration.conn().id, direction = %route.direction, %peer, target = %route.target);
+    let shared = shared.clone();
+    shared
+        .drain
+        .side(route.direction)
+        .tracker
+        .clone()
+        .spawn(async move { tcp::forward(stream, registration, tokens, &shared).await }.instrument(span));
+}
+
+/// Errors that say the process ran out of something, not that one connection went bad.
+fn is_resource_exhaustion(error: &io::Error) -> bool {
+    matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM))
+}
+
+/// What an accept loop does after an error: skip a connection that died in the queue, back
+/// off when the process ran out of resources (the error repeats at once until something is
+/// freed, so retrying straight away would spin), and log the latter at most once per
+/// [`ACCEPT_ERROR_LOG_INTERVAL`].
+pub struct AcceptErrors {
+    backoff: Duration,
+    last_logged: Option<Instant>,
+    suppressed: u64,
+}
+
+impl Default for AcceptErrors {
+    fn default() -> Self {
+        AcceptErrors { backoff: ACCEPT_BACKOFF_MIN, last_logged: None, suppressed: 0 }
+    }
+}
+
+impl AcceptErrors {
+    /// An accept succeeded: the next exhaustion starts with the shortest pause again.
+    pub fn succeeded(&mut self) {
+        self.backoff = ACCEPT_BACKOFF_MIN;
+    }
+
+    /// Handles one accept error; resolves when accepting may be tried again.
+    pub async fn failed(&mut self, error: &io::Error, listen: SocketAddr) {
+        if !is_resource_exhaustion(error) {
+            // ECONNABORTED and friends: that connection is gone, the next one may be fine.
+            debug!(%listen, %error, "accept failed for one connection");
+            return;
+        }
+        let due = self.last_logged.is_none_or(|last| last.elapsed() >= ACCEPT_ERROR_LOG_INTERVAL);
+        if due {
+            warn!(%listen, %error, suppressed = self.suppressed, "accept failed: out of resources, backing off");
+            self.last_logged = Some(Instant::now());
+            self.suppressed = 0;
+        } else {
+            self.suppressed += 1;
+        }
+        tokio::time::sleep(self.backoff).await;
+        self.backoff = (self.backoff * 2).min(ACCEPT_BACKOFF_MAX);
+    }
+}

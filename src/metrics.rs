@@ -1,0 +1,174 @@
+//! Prometheus metrics (CONTRACT section 6), served by `GET /metrics` in OpenMetrics text.
+//!
+//! Counters that change per event live in [`Metrics`]. What can be read off the connection
+//! registry and the drain at scrape time (open connections, bytes, the shutdown phase) is
+//! computed then by [`StateCollector`], so the data path pays nothing extra for it.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::UNIX_EPOCH;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+
+use crate::config::Direction;
+use crate::conns::{ConnProtocol, Connections};
+use crate::drain::{Drain, Phase};
+
+type Labels = [(&'static str, &'static str); 2];
+type DirectionLabel = [(&'static str, &'static str); 1];
+
+/// Why connecting to a target failed.
+#[derive(Clone, Copy, Debug)]
+pub enum ConnectFailure {
+    Refused,
+    Timeout,
+    Resolve,
+    Other,
+}
+
+impl ConnectFailure {
+    fn as_str(self) -> &'static str {
+        match self {
+            ConnectFailure::Refused => "refused",
+            ConnectFailure::Timeout => "timeout",
+            ConnectFailure::Resolve => "resolve",
+            ConnectFailure::Other => "other",
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    connections: Family<Labels, Counter>,
+    connect_failures: Family<Labels, Counter>,
+    accept_errors: Family<DirectionLabel, Counter>,
+    force_closed: Counter,
+}
+
+impl Metrics {
+    pub fn new(conns: Arc<Connections>, drain: Arc<Drain>) -> Metrics {
+        let mut registry = Registry::with_prefix("lameduck");
+        let connections = Family::<Labels, Counter>::default();
+        registry.register(
+            "connections",
+            "Proxy connections accepted, by direction and protocol",
+            connections.clone(),
+        );
+        let connect_failures = Family::<Labels, Counter>::default();
+        registry.register(
+            "upstream_connect_failures",
+            "Failed connections to targets, by direction and reason",
+            connect_failures.clone(),
+        );
+        let accept_errors = Family::<DirectionLabel, Counter>::default();
+        registry.register("accept_errors", "Errors accepting connections, by direction", accept_errors.clone());
+        let force_closed = Counter::default();
+        registry.register(
+            "connections_force_closed",
+            "Connections reset because the grace period ran out or a second signal arrived",
+            force_closed.clone(),
+        );
+        registry.register_collector(Box::new(StateCollector { conns, drain }));
+        Metrics { registry, connections, connect_failures, accept_errors, force_closed }
+    }
+
+    pub fn connection_opened(&self, direction: Direction, protocol: ConnProtocol) {
+        self.connections
+            .get_or_create(&[("direction", direction.as_str()), ("protocol", protocol.as_str())])
+            .inc();
+    }
+
+    pub fn connect_failed(&self, direction: Direction, failure: ConnectFailure) {
+        self.connect_failures
+            .get_or_create(&[("direction", direction.as_str()), ("reason", failure.as_str())])
+            .inc();
+    }
+
+    pub fn accept_failed(&self, direction: Direction) {
+        self.accept_errors.get_or_create(&[("direction", direction.as_str())]).inc();
+    }
+
+    pub fn force_closed(&self, count: u64) {
+        self.force_closed.inc_by(count);
+    }
+
+    /// The exposition served on `/metrics`.
+    pub fn encode(&self) -> Result<String, fmt::Error> {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
+        Ok(out)
+    }
+}
+
+/// Reads the registry and the drain at scrape time.
+#[derive(Debug)]
+struct StateCollector {
+    conns: Arc<Connections>,
+    drain: Arc<Drain>,
+}
+
+impl Collector for StateCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), fmt::Error> {
+        const DIRECTIONS: [Direction; 2] = [Direction::Inbound, Direction::Outbound];
+
+        let mut open = [[0i64; ConnProtocol::ALL.len()]; 2];
+        for conn in self.conns.snapshot() {
+            open[conn.direction() as usize][conn.protocol() as usize] += 1;
+        }
+        let mut family = encoder.encode_descriptor(
+            "connections_open",
+            "Open proxy connections, by direction and protocol",
+            None,
+            ConstGauge::new(0i64).metric_type(),
+        )?;
+        for direction in DIRECTIONS {
+            for protocol in ConnProtocol::ALL {
+                let labels = [("direction", direction.as_str()), ("protocol", protocol.as_str())];
+                ConstGauge::new(open[direction as usize][protocol as usize]).encode(family.encode_family(&labels)?)?;
+            }
+        }
+
+        let totals = DIRECTIONS.map(|direction| self.conns.byte_totals(direction));
+        for (name, help, pick) in [
+            (
+                "bytes_from_peer",
+                "Bytes received from peers (clients of the proxy), by direction",
+                (|t: &crate::conns::ByteTotals| t.from_peer) as fn(&crate::conns::ByteTotals) -> u64,
+            ),
+            ("bytes_to_peer", "Bytes forwarded to peers from targets, by direction", |t| t.to_peer),
+        ] {
+            let mut family = encoder.encode_descriptor(name, help, None, ConstCounter::new(0u64).metric_type())?;
+            for (direction, total) in DIRECTIONS.iter().zip(&totals) {
+                ConstCounter::new(pick(total)).encode(family.encode_family(&[("direction", direction.as_str())])?)?;
+            }
+        }
+
+        let current = self.drain.phase();
+        let mut family = encoder.encode_descriptor(
+            "shutdown_phase",
+            "1 for the current lifecycle phase, 0 for the others",
+            None,
+            ConstGauge::new(0i64).metric_type(),
+        )?;
+        for phase in Phase::ALL {
+            ConstGauge::new(i64::from(phase == current)).encode(family.encode_family(&[("phase", phase.as_str())])?)?;
+        }
+
+        let started = self.drain.started_at().map_or(0.0, |(_, wall)| {
+            wall.duration_since(UNIX_EPOCH).map_or(0.0, |since| since.as_secs_f64())
+        });
+        ConstGauge::new(started).encode(encoder.encode_descriptor(
+            "shutdown_started_timestamp_seconds",
+            "Unix time at which the shutdown was triggered, 0 before",
+            None,
+            ConstGauge::new(0.0f64).metric_type(),
+        )?)?;
+        Ok(())
+    }
+}
