@@ -118,11 +118,14 @@ impl Bound {
         tokio::spawn(admin::serve(admin, Arc::new(admin_state)));
         info!(listen = %admin_addr, shutdown_endpoint = config.shutdown_endpoint, "admin server listening");
 
+        let max_connections = listener::connection_limit();
+        info!(max_connections, "connection limit from the file-descriptor limit");
         let shared = Arc::new(Shared {
             drain: drain.clone(),
             conns: conns.clone(),
             metrics: metrics.clone(),
             connect_timeout: config.connect_timeout,
+            limit: Arc::new(tokio::sync::Semaphore::new(max_connections)),
         });
         for (route, bound) in listeners {
             info!(direction = %route.direction, listen = %route.listen, target = %route.target, protocol = route.protocol.as_str(), "listening");

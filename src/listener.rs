@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use socket2::{Domain, Socket, Type};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{Instrument, debug, info, warn};
 
 use crate::config::Route;
@@ -25,8 +26,8 @@ use crate::tcp;
 /// Queue length for connections whose handshake is done but which are not yet accepted.
 const LISTEN_BACKLOG: i32 = 1024;
 /// First and longest pause after an accept error caused by exhausted resources.
-const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
-const ACCEPT_BACKOFF_MAX: Duration = Duration::from_millis(100);
+pub(crate) const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
+pub(crate) const ACCEPT_BACKOFF_MAX: Duration = Duration::from_millis(100);
 /// At most one log line per this interval about exhausted resources.
 const ACCEPT_ERROR_LOG_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -47,13 +48,32 @@ pub struct Shared {
     pub conns: Arc<Connections>,
     pub metrics: Arc<Metrics>,
     pub connect_timeout: Duration,
+    /// One permit per open proxy connection, sized from the file-descriptor limit; the accept
+    /// loops take a permit before accepting, and each connection task drops its own.
+    pub limit: Arc<Semaphore>,
 }
 
 /// Accepts connections for `route` until its side's listeners close.
 pub async fn accept_loop(listener: TcpListener, route: Arc<Route>, shared: Arc<Shared>) {
     let side = shared.drain.side(route.direction);
     let mut errors = AcceptErrors::default();
+    let mut at_limit_logged: Option<Instant> = None;
     loop {
+        let permit = match shared.limit.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                if at_limit_logged.is_none_or(|last| last.elapsed() >= ACCEPT_ERROR_LOG_INTERVAL) {
+                    warn!(listen = %route.listen, open = shared.conns.len(), "at the connection limit set by the file-descriptor limit; new connections wait in the listen queue");
+                    at_limit_logged = Some(Instant::now());
+                }
+                tokio::select! {
+                    // The shutdown sequence closed this side's listeners.
+                    _ = side.close_listeners.cancelled() => break,
+                    // A connection closed and gave its permit back.
+                    permit = shared.limit.clone().acquire_owned() => permit.expect("the connection limit is never closed"),
+                }
+            }
+        };
         let accepted = tokio::select! {
             // Closing wins over a ready connection so that a flood of connects cannot delay
             // the refusal promised after the shutdown.
@@ -66,7 +86,7 @@ pub async fn accept_loop(listener: TcpListener, route: Arc<Route>, shared: Arc<S
         match accepted {
             Ok((stream, peer)) => {
                 errors.succeeded();
-                spawn_connection(stream, peer, &route, &shared);
+                spawn_connection(stream, peer, &route, &shared, Some(permit));
             }
             Err(error) => {
                 shared.metrics.accept_failed(route.direction);
@@ -100,7 +120,9 @@ fn accept_queued(listener: TcpListener, route: &Arc<Route>, shared: &Arc<Shared>
                 match stream {
                     Ok(stream) => {
                         queued += 1;
-                        spawn_connection(stream, peer, route, shared);
+                        // Over the limit if need be: these clients were already accepted by the kernel.
+                        let permit = shared.limit.clone().try_acquire_owned().ok();
+                        spawn_connection(stream, peer, route, shared, permit);
                     }
                     Err(error) => debug!(%error, %peer, "could not register a queued connection"),
                 }
@@ -119,7 +141,13 @@ fn accept_queued(listener: TcpListener, route: &Arc<Route>, shared: &Arc<Shared>
     // Dropping `listener` closes the socket: the kernel refuses new connection attempts.
 }
 
-fn spawn_connection(stream: TcpStream, peer: SocketAddr, route: &Arc<Route>, shared: &Arc<Shared>) {
+fn spawn_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    route: &Arc<Route>,
+    shared: &Arc<Shared>,
+    permit: Option<OwnedSemaphorePermit>,
+) {
     let registration = shared.conns.register(route.clone(), peer, ConnProtocol::Tcp);
     shared.metrics.connection_opened(route.direction, ConnProtocol::Tcp);
     let tokens = shared.drain.conn_tokens(route.direction);
@@ -130,11 +158,45 @@ fn spawn_connection(stream: TcpStream, peer: SocketAddr, route: &Arc<Route>, sha
         .side(route.direction)
         .tracker
         .clone()
-        .spawn(async move { tcp::forward(stream, registration, tokens, &shared).await }.instrument(span));
+        .spawn(
+            async move {
+                tcp::forward(stream, registration, tokens, &shared).await;
+                drop(permit);
+            }
+            .instrument(span),
+        );
+}
+
+/// File descriptors kept for everything that is not a proxy connection: the runtime, the
+/// listeners, admin connections, name resolution.
+const RESERVED_FDS: u64 = 32;
+
+/// How many proxy connections may be open at once: each holds two file descriptors (client
+/// and target). Raises the soft file-descriptor limit to the hard one first, as servers do;
+/// beyond the limit new connections wait in the kernel's listen queue instead of failing.
+pub fn connection_limit() -> usize {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit only read or write the struct passed to them.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return Semaphore::MAX_PERMITS;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit { rlim_cur: limit.rlim_max, rlim_max: limit.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit = raised;
+            }
+        }
+    }
+    if limit.rlim_cur == libc::RLIM_INFINITY {
+        return Semaphore::MAX_PERMITS;
+    }
+    let pairs = limit.rlim_cur.saturating_sub(RESERVED_FDS) / 2;
+    (pairs.max(1) as usize).min(Semaphore::MAX_PERMITS)
 }
 
 /// Errors that say the process ran out of something, not that one connection went bad.
-fn is_resource_exhaustion(error: &io::Error) -> bool {
+pub(crate) fn is_resource_exhaustion(error: &io::Error) -> bool {
     matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM))
 }
 

@@ -21,7 +21,7 @@ use tracing::{debug, warn};
 use crate::config::Target;
 use crate::conns::{ConnState, Connection, Registration};
 use crate::drain::ConnTokens;
-use crate::listener::Shared;
+use crate::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, Shared, is_resource_exhaustion};
 use crate::metrics::ConnectFailure;
 
 /// Forwards one accepted connection until both sides close, one fails, or the drain terminates it.
@@ -74,29 +74,22 @@ pub async fn forward(client: TcpStream, registration: Registration, tokens: Conn
     }
 }
 
-/// Connects to `target`, resolving a host name now, within `timeout`.
+/// Connects to `target`, resolving a host name now, within `timeout`. When the process is out
+/// of file descriptors or memory, connecting is retried with back-off until the timeout: the
+/// client keeps its place instead of being reset for the proxy's own shortage.
 async fn connect(target: &Target, timeout: Duration) -> Result<TcpStream, (ConnectFailure, io::Error)> {
     let attempt = async {
-        let addrs: Vec<SocketAddr> = match target {
-            Target::Addr(addr) => vec![*addr],
-            Target::Host { host, port } => tokio::net::lookup_host((host.as_str(), *port))
-                .await
-                .map_err(|error| (ConnectFailure::Resolve, error))?
-                .collect(),
-        };
-        let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{target} resolved to no address"));
-        for addr in addrs {
-            match TcpStream::connect(addr).await {
-                Ok(stream) => return Ok(stream),
-                Err(error) => last = error,
+        let mut backoff = ACCEPT_BACKOFF_MIN;
+        loop {
+            match connect_once(target).await {
+                Err((_, error)) if is_resource_exhaustion(&error) => {
+                    debug!(%error, "no resources to connect to the target yet; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
+                }
+                result => return result,
             }
         }
-        let failure = match last.kind() {
-            io::ErrorKind::ConnectionRefused => ConnectFailure::Refused,
-            io::ErrorKind::NotFound => ConnectFailure::Resolve,
-            _ => ConnectFailure::Other,
-        };
-        Err((failure, last))
     };
     match tokio::time::timeout(timeout, attempt).await {
         Ok(result) => result,
@@ -105,6 +98,30 @@ async fn connect(target: &Target, timeout: Duration) -> Result<TcpStream, (Conne
             io::Error::new(io::ErrorKind::TimedOut, format!("no connection within {}", humantime::format_duration(timeout))),
         )),
     }
+}
+
+/// One try at every address `target` resolves to.
+async fn connect_once(target: &Target) -> Result<TcpStream, (ConnectFailure, io::Error)> {
+    let addrs: Vec<SocketAddr> = match target {
+        Target::Addr(addr) => vec![*addr],
+        Target::Host { host, port } => tokio::net::lookup_host((host.as_str(), *port))
+            .await
+            .map_err(|error| (ConnectFailure::Resolve, error))?
+            .collect(),
+    };
+    let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{target} resolved to no address"));
+    for addr in addrs {
+        match TcpStream::connect(addr).await {
+            Ok(stream) => return Ok(stream),
+            Err(error) => last = error,
+        }
+    }
+    let failure = match last.kind() {
+        io::ErrorKind::ConnectionRefused => ConnectFailure::Refused,
+        io::ErrorKind::NotFound => ConnectFailure::Resolve,
+        _ => ConnectFailure::Other,
+    };
+    Err((failure, last))
 }
 
 /// Closes with RST instead of FIN when the socket is dropped.
