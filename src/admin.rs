@@ -46,7 +46,9 @@ pub struct Admin {
 
 /// Serves admin connections until the process exits.
 pub async fn serve(listener: TcpListener, admin: Arc<Admin>) {
-    let listen = listener.local_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+    let listen = listener
+        .local_addr()
+        .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
     let mut errors = AcceptErrors::default();
     loop {
         match listener.accept().await {
@@ -79,12 +81,19 @@ async fn serve_connection(stream: tokio::net::TcpStream, peer: SocketAddr, admin
     if let Err(error) = result {
         debug!(%peer, %error, "admin connection failed");
     }
-    if shutdown_requested.load(Ordering::Acquire) && admin.drain.trigger(ShutdownReason::AdminRequest) {
+    if shutdown_requested.load(Ordering::Acquire)
+        && admin.drain.trigger(ShutdownReason::AdminRequest)
+    {
         info!(%peer, "shutdown requested on the admin server");
     }
 }
 
-fn handle(admin: &Admin, peer: SocketAddr, request: &Request<Incoming>, shutdown_requested: &AtomicBool) -> Response<Full<Bytes>> {
+fn handle(
+    admin: &Admin,
+    peer: SocketAddr,
+    request: &Request<Incoming>,
+    shutdown_requested: &AtomicBool,
+) -> Response<Full<Bytes>> {
     let method = request.method();
     let read_only = method == Method::GET || method == Method::HEAD;
     match request.uri().path() {
@@ -98,35 +107,44 @@ fn handle(admin: &Admin, peer: SocketAddr, request: &Request<Incoming>, shutdown
                 let mut response = text(StatusCode::OK, body);
                 response.headers_mut().insert(
                     CONTENT_TYPE,
-                    HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+                    HeaderValue::from_static(
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    ),
                 );
                 response
             }
-            Err(_) => text(StatusCode::INTERNAL_SERVER_ERROR, "metrics could not be encoded\n"),
+            Err(_) => text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "metrics could not be encoded\n",
+            ),
         },
-        "/connections" if read_only => match local_only(peer, request) {
-            Err(forbidden) => forbidden,
-            Ok(()) => {
-                let mut response = text(StatusCode::OK, admin.conns.to_json());
-                response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-                response
+        "/connections" if read_only => {
+            if !is_local(peer, request) {
+                return text(StatusCode::FORBIDDEN, FORBIDDEN);
             }
-        },
+            let mut response = text(StatusCode::OK, admin.conns.to_json());
+            response
+                .headers_mut()
+                .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            response
+        }
         "/live" | "/ready" | "/metrics" | "/connections" => not_allowed("GET, HEAD"),
         "/shutdown" => {
             if method != Method::POST {
                 return not_allowed("POST");
             }
-            if let Err(forbidden) = local_only(peer, request) {
+            if !is_local(peer, request) {
                 warn!(%peer, "refused a shutdown request from a non-local client");
-                return forbidden;
+                return text(StatusCode::FORBIDDEN, FORBIDDEN);
             }
             if !admin.shutdown_endpoint {
                 return text(StatusCode::NOT_FOUND, "shutdown endpoint is not enabled\n");
             }
             shutdown_requested.store(true, Ordering::Release);
             let mut response = text(StatusCode::OK, "shutdown\n");
-            response.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+            response
+                .headers_mut()
+                .insert(CONNECTION, HeaderValue::from_static("close"));
             response
         }
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
@@ -137,24 +155,22 @@ fn handle(admin: &Admin, peer: SocketAddr, request: &Request<Incoming>, shutdown
 /// socket's peer is loopback, then no `Origin` header (a browser's cross-site request) and a
 /// `Host` naming loopback (DNS rebinding). A request without `Host` (HTTP/1.0) comes from no
 /// browser and passes.
-fn local_only(peer: SocketAddr, request: &Request<Incoming>) -> Result<(), Response<Full<Bytes>>> {
+fn is_local(peer: SocketAddr, request: &Request<Incoming>) -> bool {
     let headers = request.headers();
     let host_ok = match headers.get(HOST) {
         None => true,
         Some(host) => host.to_str().is_ok_and(is_loopback_host),
     };
-    if is_loopback(peer.ip()) && !headers.contains_key(ORIGIN) && host_ok {
-        Ok(())
-    } else {
-        Err(text(StatusCode::FORBIDDEN, FORBIDDEN))
-    }
+    is_loopback(peer.ip()) && !headers.contains_key(ORIGIN) && host_ok
 }
 
 /// 127.0.0.0/8, ::1 and IPv4-mapped 127.x (a dual-stack socket's view of an IPv4 client).
 pub fn is_loopback(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => v4.is_loopback(),
-        IpAddr::V6(v6) => v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
+        IpAddr::V6(v6) => {
+            v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
     }
 }
 
@@ -183,13 +199,18 @@ fn is_port(port: Option<&str>) -> bool {
 fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(body.into()));
     *response.status_mut() = status;
-    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     response
 }
 
 fn not_allowed(allow: &'static str) -> Response<Full<Bytes>> {
     let mut response = text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
-    response.headers_mut().insert(ALLOW, HeaderValue::from_static(allow));
+    response
+        .headers_mut()
+        .insert(ALLOW, HeaderValue::from_static(allow));
     response
 }
 
@@ -209,10 +230,25 @@ mod tests {
 
     #[test]
     fn only_loopback_hosts_pass() {
-        for host in ["localhost", "LOCALHOST:4191", "127.0.0.1", "127.0.0.1:4191", "[::1]", "[::1]:4191"] {
+        for host in [
+            "localhost",
+            "LOCALHOST:4191",
+            "127.0.0.1",
+            "127.0.0.1:4191",
+            "[::1]",
+            "[::1]:4191",
+        ] {
             assert!(is_loopback_host(host), "{host}");
         }
-        for host in ["evil.example:4191", "127.0.0.1.nip.io", "[::1]x", "localhost:http", "10.0.0.1", "", "[::2]"] {
+        for host in [
+            "evil.example:4191",
+            "127.0.0.1.nip.io",
+            "[::1]x",
+            "localhost:http",
+            "10.0.0.1",
+            "",
+            "[::2]",
+        ] {
             assert!(!is_loopback_host(host), "{host}");
         }
     }

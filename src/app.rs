@@ -38,7 +38,11 @@ pub struct BuildError {
 
 impl fmt::Display for BuildError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "failed to bind the {} on {}: {}", self.what, self.addr, self.source)
+        write!(
+            f,
+            "failed to bind the {} on {}: {}",
+            self.what, self.addr, self.source
+        )
     }
 }
 
@@ -77,8 +81,11 @@ pub struct Bound {
 
 /// Binds the admin server and every route. Must run inside a Tokio runtime.
 pub fn build(config: Config) -> Result<Bound, BuildError> {
-    let admin = listener::bind(config.admin)
-        .map_err(|source| BuildError { what: "admin server".into(), addr: config.admin, source })?;
+    let admin = listener::bind(config.admin).map_err(|source| BuildError {
+        what: "admin server".into(),
+        addr: config.admin,
+        source,
+    })?;
     let admin_addr = admin.local_addr().unwrap_or(config.admin);
     let mut listeners = Vec::with_capacity(config.routes.len());
     for route in &config.routes {
@@ -88,9 +95,20 @@ pub fn build(config: Config) -> Result<Bound, BuildError> {
             source,
         })?;
         let listen = bound.local_addr().unwrap_or(route.listen);
-        listeners.push((Arc::new(Route { listen, ..Route::clone(route) }), bound));
+        listeners.push((
+            Arc::new(Route {
+                listen,
+                ..Route::clone(route)
+            }),
+            bound,
+        ));
     }
-    Ok(Bound { config, admin, admin_addr, listeners })
+    Ok(Bound {
+        config,
+        admin,
+        admin_addr,
+        listeners,
+    })
 }
 
 impl Bound {
@@ -100,12 +118,20 @@ impl Bound {
 
     /// The real listen address of every route, in configuration order.
     pub fn route_addrs(&self) -> Vec<(Direction, SocketAddr)> {
-        self.listeners.iter().map(|(route, _)| (route.direction, route.listen)).collect()
+        self.listeners
+            .iter()
+            .map(|(route, _)| (route.direction, route.listen))
+            .collect()
     }
 
     /// Serves, then shuts down as CONTRACT section 3 says.
     pub async fn run(self, mut signals: ShutdownSignals) -> Exit {
-        let Bound { config, admin, admin_addr, listeners } = self;
+        let Bound {
+            config,
+            admin,
+            admin_addr,
+            listeners,
+        } = self;
         let drain = Arc::new(Drain::default());
         let conns = Arc::new(Connections::default());
         let metrics = Arc::new(Metrics::new(conns.clone(), drain.clone()));
@@ -119,7 +145,10 @@ impl Bound {
         info!(listen = %admin_addr, shutdown_endpoint = config.shutdown_endpoint, "admin server listening");
 
         let max_connections = listener::connection_limit();
-        info!(max_connections, "connection limit from the file-descriptor limit");
+        info!(
+            max_connections,
+            "connection limit from the file-descriptor limit"
+        );
         let shared = Arc::new(Shared {
             drain: drain.clone(),
             conns: conns.clone(),
@@ -149,7 +178,9 @@ impl Bound {
             // A loopback client posted /shutdown.
             reason = drain.triggered() => reason,
         };
-        let (started, _) = drain.started_at().expect("the drain records when it was triggered");
+        let (started, _) = drain
+            .started_at()
+            .expect("the drain records when it was triggered");
         let deadline = started + config.shutdown_grace_period;
         info!(
             trigger = %reason,
@@ -163,7 +194,8 @@ impl Bound {
 
         let sequence = drain_sequence(&drain, &config);
         tokio::pin!(sequence);
-        let mut progress = tokio::time::interval_at((started + PROGRESS_INTERVAL).into(), PROGRESS_INTERVAL);
+        let mut progress =
+            tokio::time::interval_at((started + PROGRESS_INTERVAL).into(), PROGRESS_INTERVAL);
         loop {
             tokio::select! {
                 // The last connection closed.
@@ -226,7 +258,10 @@ async fn drain_sequence(drain: &Drain, config: &Config) {
 async fn force_close(drain: &Drain, conns: &Connections, metrics: &Metrics, why: &str) {
     drain.set_phase(Phase::Terminating);
     let survivors = conns.snapshot();
-    warn!(connections = survivors.len(), "{why}: resetting the remaining connections");
+    warn!(
+        connections = survivors.len(),
+        "{why}: resetting the remaining connections"
+    );
     for conn in &survivors {
         warn!("force-closing {}", conn.describe());
     }

@@ -288,12 +288,16 @@ impl Config {
         args: ProxyArgs,
         env: impl Fn(&str) -> Option<OsString>,
     ) -> Result<Config, ConfigError> {
-        let lookup = |setting: &Setting, flag_value: Option<String>| -> Result<Option<Raw>, ConfigError> {
-            if let Some(value) = flag_value {
-                return Ok(Some(Raw { value, source: setting.flag.to_string() }));
-            }
-            env_value(&env, setting.var, setting.example)
-        };
+        let lookup =
+            |setting: &Setting, flag_value: Option<String>| -> Result<Option<Raw>, ConfigError> {
+                if let Some(value) = flag_value {
+                    return Ok(Some(Raw {
+                        value,
+                        source: setting.flag.to_string(),
+                    }));
+                }
+                env_value(&env, setting.var, setting.example)
+            };
 
         let mut routes = Vec::new();
         for (setting, direction, flags) in [
@@ -308,7 +312,12 @@ impl Config {
             } else {
                 flags
                     .into_iter()
-                    .flat_map(|value| split_list(Raw { value, source: setting.flag.to_string() }))
+                    .flat_map(|value| {
+                        split_list(Raw {
+                            value,
+                            source: setting.flag.to_string(),
+                        })
+                    })
                     .collect()
             };
             for raw in raws {
@@ -316,14 +325,23 @@ impl Config {
             }
         }
         if routes.is_empty() {
-            let raw = Raw { value: DEFAULT_INBOUND_ROUTE.to_string(), source: "the default route".into() };
-            routes.push(Arc::new(parse_route(&raw, Direction::Inbound, INBOUND.example)?));
+            let raw = Raw {
+                value: DEFAULT_INBOUND_ROUTE.to_string(),
+                source: "the default route".into(),
+            };
+            routes.push(Arc::new(parse_route(
+                &raw,
+                Direction::Inbound,
+                INBOUND.example,
+            )?));
         }
         check_distinct_listeners(&routes)?;
 
         let admin = match lookup(&ADMIN, args.admin)? {
             Some(raw) => parse_socket_addr(&raw, ADMIN.example)?,
-            None => DEFAULT_ADMIN_ADDR.parse().expect("the default admin address is valid"),
+            None => DEFAULT_ADMIN_ADDR
+                .parse()
+                .expect("the default admin address is valid"),
         };
         let grace_raw = lookup(&GRACE, args.shutdown_grace_period)?;
         let shutdown_grace_period = match &grace_raw {
@@ -350,7 +368,12 @@ impl Config {
             Some(raw) => match raw.value.as_str() {
                 "immediate" => OutboundShutdown::Immediate,
                 "after-inbound" => OutboundShutdown::AfterInbound,
-                _ => return Err(raw.error("expected immediate or after-inbound", OUTBOUND_SHUTDOWN.example)),
+                _ => {
+                    return Err(raw.error(
+                        "expected immediate or after-inbound",
+                        OUTBOUND_SHUTDOWN.example,
+                    ));
+                }
             },
             None => OutboundShutdown::Immediate,
         };
@@ -362,7 +385,10 @@ impl Config {
             Some(raw) => {
                 let timeout = parse_duration(&raw, CONNECT_TIMEOUT.example)?;
                 if timeout.is_zero() {
-                    return Err(raw.error("the connect timeout must be longer than zero", CONNECT_TIMEOUT.example));
+                    return Err(raw.error(
+                        "the connect timeout must be longer than zero",
+                        CONNECT_TIMEOUT.example,
+                    ));
                 }
                 timeout
             }
@@ -413,7 +439,10 @@ fn env_value(
     match env(var) {
         None => Ok(None),
         Some(os) => match os.into_string() {
-            Ok(value) => Ok(Some(Raw { value, source: var.to_string() })),
+            Ok(value) => Ok(Some(Raw {
+                value,
+                source: var.to_string(),
+            })),
             Err(os) => Err(ConfigError {
                 setting: var.to_string(),
                 value: os.to_string_lossy().into_owned(),
@@ -431,11 +460,18 @@ fn split_list(raw: Raw) -> Vec<Raw> {
         .split(',')
         .map(str::trim)
         .filter(|item| !item.is_empty())
-        .map(|item| Raw { value: item.to_string(), source: raw.source.clone() })
+        .map(|item| Raw {
+            value: item.to_string(),
+            source: raw.source.clone(),
+        })
         .collect()
 }
 
-fn parse_route(raw: &Raw, direction: Direction, example: &'static str) -> Result<Route, ConfigError> {
+fn parse_route(
+    raw: &Raw,
+    direction: Direction,
+    example: &'static str,
+) -> Result<Route, ConfigError> {
     let Some((listen, rest)) = raw.value.split_once('=') else {
         return Err(raw.error("a route is LISTEN=TARGET[/PROTOCOL]", example));
     };
@@ -453,16 +489,26 @@ fn parse_route(raw: &Raw, direction: Direction, example: &'static str) -> Result
             ));
         }
         Some(other) => {
-            return Err(raw.error(format!("unknown protocol {other:?}, expected auto, http or tcp"), example));
+            return Err(raw.error(
+                format!("unknown protocol {other:?}, expected auto, http or tcp"),
+                example,
+            ));
         }
     };
-    let listen: SocketAddr = listen
-        .trim()
-        .parse()
-        .map_err(|_| raw.error(format!("the listen address {listen:?} is not IP:PORT"), example))?;
+    let listen: SocketAddr = listen.trim().parse().map_err(|_| {
+        raw.error(
+            format!("the listen address {listen:?} is not IP:PORT"),
+            example,
+        )
+    })?;
     let target = parse_target(target.trim())
         .map_err(|reason| raw.error(format!("the target {target:?} {reason}"), example))?;
-    Ok(Route { direction, listen, target, protocol })
+    Ok(Route {
+        direction,
+        listen,
+        target,
+        protocol,
+    })
 }
 
 fn parse_target(target: &str) -> Result<Target, &'static str> {
@@ -481,15 +527,23 @@ fn parse_target(target: &str) -> Result<Target, &'static str> {
     };
     let valid_host = !host.is_empty()
         && host.len() <= 253
-        && host.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'));
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'));
     if !valid_host {
         return Err("is not IP:PORT or HOST:PORT");
     }
-    Ok(Target::Host { host: host.to_string(), port })
+    Ok(Target::Host {
+        host: host.to_string(),
+        port,
+    })
 }
 
 fn parse_socket_addr(raw: &Raw, example: &'static str) -> Result<SocketAddr, ConfigError> {
-    raw.value.trim().parse().map_err(|_| raw.error("expected IP:PORT", example))
+    raw.value
+        .trim()
+        .parse()
+        .map_err(|_| raw.error("expected IP:PORT", example))
 }
 
 /// Parses a humantime duration (`90s`, `2m`, `1m 30s`, `1.5s`); a bare `0` means zero.
@@ -507,10 +561,14 @@ fn parse_duration(raw: &Raw, example: &'static str) -> Result<Duration, ConfigEr
     if value.bytes().all(|b| b.is_ascii_digit()) {
         return Err(raw.error("a duration needs a unit", example));
     }
-    let duration = humantime::parse_duration(value).map_err(|error| raw.error(error.to_string(), example))?;
+    let duration =
+        humantime::parse_duration(value).map_err(|error| raw.error(error.to_string(), example))?;
     if duration > MAX_DURATION {
         return Err(raw.error(
-            format!("longer than the maximum of {}", humantime::format_duration(MAX_DURATION)),
+            format!(
+                "longer than the maximum of {}",
+                humantime::format_duration(MAX_DURATION)
+            ),
             example,
         ));
     }
@@ -531,11 +589,17 @@ fn check_distinct_listeners(routes: &[Arc<Route>]) -> Result<(), ConfigError> {
         if route.listen.port() == 0 {
             continue;
         }
-        if let Some(other) = routes[..i].iter().find(|other| other.listen == route.listen) {
+        if let Some(other) = routes[..i]
+            .iter()
+            .find(|other| other.listen == route.listen)
+        {
             return Err(ConfigError {
                 setting: format!("--{}", route.direction),
                 value: format!("{}={}", route.listen, route.target),
-                reason: format!("{} is already the listen address of the {} route to {}", route.listen, other.direction, other.target),
+                reason: format!(
+                    "{} is already the listen address of the {} route to {}",
+                    route.listen, other.direction, other.target
+                ),
                 example: "a distinct LISTEN address for every route",
             });
         }
@@ -549,13 +613,22 @@ mod tests {
     use std::collections::HashMap;
 
     fn config(args: ProxyArgs, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
-        let env: HashMap<String, OsString> = env.iter().map(|(k, v)| (k.to_string(), OsString::from(v))).collect();
+        let env: HashMap<String, OsString> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), OsString::from(v)))
+            .collect();
         Config::from_sources(args, |name| env.get(name).cloned())
     }
 
     fn grace(value: &str) -> Result<Duration, ConfigError> {
-        config(ProxyArgs { shutdown_grace_period: Some(value.into()), ..Default::default() }, &[])
-            .map(|c| c.shutdown_grace_period)
+        config(
+            ProxyArgs {
+                shutdown_grace_period: Some(value.into()),
+                ..Default::default()
+            },
+            &[],
+        )
+        .map(|c| c.shutdown_grace_period)
     }
 
     #[test]
@@ -565,7 +638,10 @@ mod tests {
         let route = &config.routes[0];
         assert_eq!(route.direction, Direction::Inbound);
         assert_eq!(route.listen, "0.0.0.0:4143".parse().unwrap());
-        assert_eq!(route.target, Target::Addr("127.0.0.1:8080".parse().unwrap()));
+        assert_eq!(
+            route.target,
+            Target::Addr("127.0.0.1:8080".parse().unwrap())
+        );
         assert_eq!(route.protocol, Protocol::Auto);
         assert_eq!(config.admin, "0.0.0.0:4191".parse().unwrap());
         assert_eq!(config.shutdown_grace_period, Duration::from_secs(120));
@@ -588,11 +664,21 @@ mod tests {
             &[],
         )
         .unwrap();
-        assert_eq!(config.routes.len(), 2, "an outbound route replaces no inbound one");
-        assert_eq!(config.routes[0].target, Target::Addr("[::1]:8080".parse().unwrap()));
+        assert_eq!(
+            config.routes.len(),
+            2,
+            "an outbound route replaces no inbound one"
+        );
+        assert_eq!(
+            config.routes[0].target,
+            Target::Addr("[::1]:8080".parse().unwrap())
+        );
         assert_eq!(
             config.routes[1].target,
-            Target::Host { host: "payments.default.svc".into(), port: 8443 }
+            Target::Host {
+                host: "payments.default.svc".into(),
+                port: 8443
+            }
         );
         assert_eq!(config.routes[1].direction, Direction::Outbound);
         assert_eq!(config.routes[1].protocol, Protocol::Tcp);
@@ -600,7 +686,11 @@ mod tests {
 
     #[test]
     fn only_an_outbound_route_means_no_default_inbound() {
-        let config = config(ProxyArgs::default(), &[("LAMEDUCK_OUTBOUND", "127.0.0.1:4140=10.0.0.1:80")]).unwrap();
+        let config = config(
+            ProxyArgs::default(),
+            &[("LAMEDUCK_OUTBOUND", "127.0.0.1:4140=10.0.0.1:80")],
+        )
+        .unwrap();
         assert_eq!(config.routes.len(), 1);
         assert_eq!(config.routes[0].direction, Direction::Outbound);
     }
@@ -608,22 +698,36 @@ mod tests {
     #[test]
     fn variables_are_comma_separated_and_flags_win() {
         let env = [
-            ("LAMEDUCK_INBOUND", "127.0.0.1:1=127.0.0.1:2, 127.0.0.1:3=127.0.0.1:4,"),
+            (
+                "LAMEDUCK_INBOUND",
+                "127.0.0.1:1=127.0.0.1:2, 127.0.0.1:3=127.0.0.1:4,",
+            ),
             ("LAMEDUCK_SHUTDOWN_GRACE_PERIOD", "1m 30s"),
         ];
         let from_env = config(ProxyArgs::default(), &env).unwrap();
         assert_eq!(from_env.routes.len(), 2);
         assert_eq!(from_env.shutdown_grace_period, Duration::from_secs(90));
-        let flagged =
-            config(ProxyArgs { shutdown_grace_period: Some("7s".into()), ..Default::default() }, &env).unwrap();
+        let flagged = config(
+            ProxyArgs {
+                shutdown_grace_period: Some("7s".into()),
+                ..Default::default()
+            },
+            &env,
+        )
+        .unwrap();
         assert_eq!(flagged.shutdown_grace_period, Duration::from_secs(7));
     }
 
     #[test]
     fn http_routes_are_refused_until_http_proxying_exists() {
-        let error =
-            config(ProxyArgs { inbound: vec!["127.0.0.1:1=127.0.0.1:2/http".into()], ..Default::default() }, &[])
-                .unwrap_err();
+        let error = config(
+            ProxyArgs {
+                inbound: vec!["127.0.0.1:1=127.0.0.1:2/http".into()],
+                ..Default::default()
+            },
+            &[],
+        )
+        .unwrap_err();
         assert_eq!(error.setting, "--inbound");
         assert!(error.reason.contains("/http"), "{error}");
     }
@@ -634,11 +738,22 @@ mod tests {
         assert_eq!(grace("1.5s").unwrap(), Duration::from_millis(1500));
         assert_eq!(grace("0s").unwrap(), Duration::ZERO);
         assert_eq!(grace("0").unwrap(), Duration::ZERO);
-        for bad in ["", "-1s", "10", "1e3s", "18446744073709551615d", "2d", "soon"] {
+        for bad in [
+            "",
+            "-1s",
+            "10",
+            "1e3s",
+            "18446744073709551615d",
+            "2d",
+            "soon",
+        ] {
             let error = grace(bad).unwrap_err();
             assert_eq!(error.setting, "--shutdown-grace-period", "{bad:?}");
             assert_eq!(error.value, bad);
-            assert!(error.to_string().contains("90s"), "the message shows a good example: {error}");
+            assert!(
+                error.to_string().contains("90s"),
+                "the message shows a good example: {error}"
+            );
         }
     }
 
@@ -658,9 +773,14 @@ mod tests {
 
     #[test]
     fn errors_name_the_variable_when_the_value_came_from_it() {
-        let error = config(ProxyArgs::default(), &[("LAMEDUCK_CONNECT_TIMEOUT", "0s")]).unwrap_err();
+        let error =
+            config(ProxyArgs::default(), &[("LAMEDUCK_CONNECT_TIMEOUT", "0s")]).unwrap_err();
         assert_eq!(error.setting, "LAMEDUCK_CONNECT_TIMEOUT");
-        let error = config(ProxyArgs::default(), &[("LAMEDUCK_SHUTDOWN_ENDPOINT", "maybe")]).unwrap_err();
+        let error = config(
+            ProxyArgs::default(),
+            &[("LAMEDUCK_SHUTDOWN_ENDPOINT", "maybe")],
+        )
+        .unwrap_err();
         assert_eq!(error.setting, "LAMEDUCK_SHUTDOWN_ENDPOINT");
         let error = config(ProxyArgs::default(), &[("RUST_LOG", "lameduck=loud")]).unwrap_err();
         assert_eq!(error.setting, "RUST_LOG");
@@ -668,12 +788,32 @@ mod tests {
 
     #[test]
     fn bad_routes_are_refused_with_the_route_quoted() {
-        for bad in ["127.0.0.1:1", "nonsense=127.0.0.1:2", "127.0.0.1:1=127.0.0.1:0", "127.0.0.1:1=host", "127.0.0.1:1=a b:80", "127.0.0.1:1=127.0.0.1:2/udp"] {
-            let error = config(ProxyArgs { inbound: vec![bad.into()], ..Default::default() }, &[]).unwrap_err();
+        for bad in [
+            "127.0.0.1:1",
+            "nonsense=127.0.0.1:2",
+            "127.0.0.1:1=127.0.0.1:0",
+            "127.0.0.1:1=host",
+            "127.0.0.1:1=a b:80",
+            "127.0.0.1:1=127.0.0.1:2/udp",
+        ] {
+            let error = config(
+                ProxyArgs {
+                    inbound: vec![bad.into()],
+                    ..Default::default()
+                },
+                &[],
+            )
+            .unwrap_err();
             assert_eq!(error.value, bad);
         }
         let error = config(
-            ProxyArgs { inbound: vec!["127.0.0.1:9=127.0.0.1:2".into(), "127.0.0.1:9=127.0.0.1:3".into()], ..Default::default() },
+            ProxyArgs {
+                inbound: vec![
+                    "127.0.0.1:9=127.0.0.1:2".into(),
+                    "127.0.0.1:9=127.0.0.1:3".into(),
+                ],
+                ..Default::default()
+            },
             &[],
         )
         .unwrap_err();

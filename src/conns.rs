@@ -48,7 +48,10 @@ impl ConnProtocol {
     }
 
     fn from_u8(value: u8) -> ConnProtocol {
-        ConnProtocol::ALL.get(value as usize).copied().unwrap_or(ConnProtocol::Tcp)
+        ConnProtocol::ALL
+            .get(value as usize)
+            .copied()
+            .unwrap_or(ConnProtocol::Tcp)
     }
 }
 
@@ -198,7 +201,12 @@ pub struct ByteTotals {
 }
 
 impl Connections {
-    pub fn register(self: &Arc<Self>, route: Arc<Route>, peer: SocketAddr, protocol: ConnProtocol) -> Registration {
+    pub fn register(
+        self: &Arc<Self>,
+        route: Arc<Route>,
+        peer: SocketAddr,
+        protocol: ConnProtocol,
+    ) -> Registration {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let conn = Arc::new(Connection {
             id,
@@ -213,14 +221,23 @@ impl Connections {
             requests_in_flight: AtomicU32::new(0),
         });
         self.lock().insert(id, conn.clone());
-        Registration { registry: self.clone(), conn }
+        Registration {
+            registry: self.clone(),
+            conn,
+        }
     }
 
     fn remove(&self, conn: &Connection) {
         self.lock().remove(&conn.id);
         let closed = self.closed(conn.direction());
-        closed.from_peer.fetch_add(conn.bytes_from_peer.load(Ordering::Relaxed), Ordering::Relaxed);
-        closed.to_peer.fetch_add(conn.bytes_to_peer.load(Ordering::Relaxed), Ordering::Relaxed);
+        closed.from_peer.fetch_add(
+            conn.bytes_from_peer.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
+        closed.to_peer.fetch_add(
+            conn.bytes_to_peer.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
     }
 
     fn closed(&self, direction: Direction) -> &ClosedBytes {
@@ -233,7 +250,9 @@ impl Connections {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Connection>>> {
         // A panic while holding this lock cannot leave the map inconsistent: every critical
         // section is a single insert, remove or clone.
-        self.open.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.open
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub fn len(&self) -> usize {

@@ -55,7 +55,13 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 5] = [Phase::Starting, Phase::Serving, Phase::LameDuck, Phase::Draining, Phase::Terminating];
+    pub const ALL: [Phase; 5] = [
+        Phase::Starting,
+        Phase::Serving,
+        Phase::LameDuck,
+        Phase::Draining,
+        Phase::Terminating,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -134,7 +140,10 @@ impl Drain {
     /// Resolves once the shutdown has been triggered.
     pub async fn triggered(&self) -> ShutdownReason {
         self.shutdown.cancelled().await;
-        *self.reason.get().expect("the reason is set before the token is cancelled")
+        *self
+            .reason
+            .get()
+            .expect("the reason is set before the token is cancelled")
     }
 
     pub fn reason(&self) -> Option<ShutdownReason> {

@@ -116,7 +116,9 @@ fn accept_queued(listener: TcpListener, route: &Arc<Route>, shared: &Arc<Shared>
     loop {
         match listener.accept() {
             Ok((stream, peer)) => {
-                let stream = stream.set_nonblocking(true).and_then(|()| TcpStream::from_std(stream));
+                let stream = stream
+                    .set_nonblocking(true)
+                    .and_then(|()| TcpStream::from_std(stream));
                 match stream {
                     Ok(stream) => {
                         queued += 1;
@@ -148,23 +150,22 @@ fn spawn_connection(
     shared: &Arc<Shared>,
     permit: Option<OwnedSemaphorePermit>,
 ) {
-    let registration = shared.conns.register(route.clone(), peer, ConnProtocol::Tcp);
-    shared.metrics.connection_opened(route.direction, ConnProtocol::Tcp);
+    let registration = shared
+        .conns
+        .register(route.clone(), peer, ConnProtocol::Tcp);
+    shared
+        .metrics
+        .connection_opened(route.direction, ConnProtocol::Tcp);
     let tokens = shared.drain.conn_tokens(route.direction);
     let span = tracing::debug_span!("conn", id = registration.conn().id, direction = %route.direction, %peer, target = %route.target);
     let shared = shared.clone();
-    shared
-        .drain
-        .side(route.direction)
-        .tracker
-        .clone()
-        .spawn(
-            async move {
-                tcp::forward(stream, registration, tokens, &shared).await;
-                drop(permit);
-            }
-            .instrument(span),
-        );
+    shared.drain.side(route.direction).tracker.clone().spawn(
+        async move {
+            tcp::forward(stream, registration, tokens, &shared).await;
+            drop(permit);
+        }
+        .instrument(span),
+    );
 }
 
 /// File descriptors kept for everything that is not a proxy connection: the runtime, the
@@ -175,14 +176,20 @@ const RESERVED_FDS: u64 = 32;
 /// and target). Raises the soft file-descriptor limit to the hard one first, as servers do;
 /// beyond the limit new connections wait in the kernel's listen queue instead of failing.
 pub fn connection_limit() -> usize {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit and setrlimit only read or write the struct passed to them.
     unsafe {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
             return Semaphore::MAX_PERMITS;
         }
         if limit.rlim_cur < limit.rlim_max {
-            let raised = libc::rlimit { rlim_cur: limit.rlim_max, rlim_max: limit.rlim_max };
+            let raised = libc::rlimit {
+                rlim_cur: limit.rlim_max,
+                rlim_max: limit.rlim_max,
+            };
             if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
                 limit = raised;
             }
@@ -197,7 +204,10 @@ pub fn connection_limit() -> usize {
 
 /// Errors that say the process ran out of something, not that one connection went bad.
 pub(crate) fn is_resource_exhaustion(error: &io::Error) -> bool {
-    matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM))
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
 }
 
 /// What an accept loop does after an error: skip a connection that died in the queue, back
@@ -212,7 +222,11 @@ pub struct AcceptErrors {
 
 impl Default for AcceptErrors {
     fn default() -> Self {
-        AcceptErrors { backoff: ACCEPT_BACKOFF_MIN, last_logged: None, suppressed: 0 }
+        AcceptErrors {
+            backoff: ACCEPT_BACKOFF_MIN,
+            last_logged: None,
+            suppressed: 0,
+        }
     }
 }
 
@@ -229,7 +243,9 @@ impl AcceptErrors {
             debug!(%listen, %error, "accept failed for one connection");
             return;
         }
-        let due = self.last_logged.is_none_or(|last| last.elapsed() >= ACCEPT_ERROR_LOG_INTERVAL);
+        let due = self
+            .last_logged
+            .is_none_or(|last| last.elapsed() >= ACCEPT_ERROR_LOG_INTERVAL);
         if due {
             warn!(%listen, %error, suppressed = self.suppressed, "accept failed: out of resources, backing off");
             self.last_logged = Some(Instant::now());

@@ -10,7 +10,9 @@ use crate::config::LogFormat;
 /// Installs the global subscriber. The filter was validated with the configuration.
 pub fn init(filter: &str, format: LogFormat) {
     let filter = EnvFilter::builder().parse_lossy(filter);
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr)
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());
     let _ = match format {
         LogFormat::Plain => builder.try_init(),

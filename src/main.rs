@@ -32,15 +32,24 @@ const EXIT_INVALID_CONFIG: i32 = 2;
 fn main() {
     // Signal handlers first, before configuration is read or a socket bound: as PID 1 a
     // SIGTERM that arrives while starting up would otherwise be lost.
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
-        Err(error) => exit_with(EXIT_CANNOT_RUN, &format!("cannot start the runtime: {error}")),
+        Err(error) => exit_with(
+            EXIT_CANNOT_RUN,
+            &format!("cannot start the runtime: {error}"),
+        ),
     };
     let signals = {
         let _context = runtime.enter();
         match ShutdownSignals::install() {
             Ok(signals) => signals,
-            Err(error) => exit_with(EXIT_CANNOT_RUN, &format!("cannot install signal handlers: {error}")),
+            Err(error) => exit_with(
+                EXIT_CANNOT_RUN,
+                &format!("cannot install signal handlers: {error}"),
+            ),
         }
     };
 

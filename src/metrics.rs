@@ -67,7 +67,11 @@ impl Metrics {
             connect_failures.clone(),
         );
         let accept_errors = Family::<DirectionLabel, Counter>::default();
-        registry.register("accept_errors", "Errors accepting connections, by direction", accept_errors.clone());
+        registry.register(
+            "accept_errors",
+            "Errors accepting connections, by direction",
+            accept_errors.clone(),
+        );
         let force_closed = Counter::default();
         registry.register(
             "connections_force_closed",
@@ -75,23 +79,37 @@ impl Metrics {
             force_closed.clone(),
         );
         registry.register_collector(Box::new(StateCollector { conns, drain }));
-        Metrics { registry, connections, connect_failures, accept_errors, force_closed }
+        Metrics {
+            registry,
+            connections,
+            connect_failures,
+            accept_errors,
+            force_closed,
+        }
     }
 
     pub fn connection_opened(&self, direction: Direction, protocol: ConnProtocol) {
         self.connections
-            .get_or_create(&[("direction", direction.as_str()), ("protocol", protocol.as_str())])
+            .get_or_create(&[
+                ("direction", direction.as_str()),
+                ("protocol", protocol.as_str()),
+            ])
             .inc();
     }
 
     pub fn connect_failed(&self, direction: Direction, failure: ConnectFailure) {
         self.connect_failures
-            .get_or_create(&[("direction", direction.as_str()), ("reason", failure.as_str())])
+            .get_or_create(&[
+                ("direction", direction.as_str()),
+                ("reason", failure.as_str()),
+            ])
             .inc();
     }
 
     pub fn accept_failed(&self, direction: Direction) {
-        self.accept_errors.get_or_create(&[("direction", direction.as_str())]).inc();
+        self.accept_errors
+            .get_or_create(&[("direction", direction.as_str())])
+            .inc();
     }
 
     pub fn force_closed(&self, count: u64) {
@@ -129,8 +147,12 @@ impl Collector for StateCollector {
         )?;
         for direction in DIRECTIONS {
             for protocol in ConnProtocol::ALL {
-                let labels = [("direction", direction.as_str()), ("protocol", protocol.as_str())];
-                ConstGauge::new(open[direction as usize][protocol as usize]).encode(family.encode_family(&labels)?)?;
+                let labels = [
+                    ("direction", direction.as_str()),
+                    ("protocol", protocol.as_str()),
+                ];
+                ConstGauge::new(open[direction as usize][protocol as usize])
+                    .encode(family.encode_family(&labels)?)?;
             }
         }
 
@@ -139,13 +161,24 @@ impl Collector for StateCollector {
             (
                 "bytes_from_peer",
                 "Bytes received from peers (clients of the proxy), by direction",
-                (|t: &crate::conns::ByteTotals| t.from_peer) as fn(&crate::conns::ByteTotals) -> u64,
+                (|t: &crate::conns::ByteTotals| t.from_peer)
+                    as fn(&crate::conns::ByteTotals) -> u64,
             ),
-            ("bytes_to_peer", "Bytes forwarded to peers from targets, by direction", |t| t.to_peer),
+            (
+                "bytes_to_peer",
+                "Bytes forwarded to peers from targets, by direction",
+                |t| t.to_peer,
+            ),
         ] {
-            let mut family = encoder.encode_descriptor(name, help, None, ConstCounter::new(0u64).metric_type())?;
+            let mut family = encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                ConstCounter::new(0u64).metric_type(),
+            )?;
             for (direction, total) in DIRECTIONS.iter().zip(&totals) {
-                ConstCounter::new(pick(total)).encode(family.encode_family(&[("direction", direction.as_str())])?)?;
+                ConstCounter::new(pick(total))
+                    .encode(family.encode_family(&[("direction", direction.as_str())])?)?;
             }
         }
 
@@ -157,11 +190,13 @@ impl Collector for StateCollector {
             ConstGauge::new(0i64).metric_type(),
         )?;
         for phase in Phase::ALL {
-            ConstGauge::new(i64::from(phase == current)).encode(family.encode_family(&[("phase", phase.as_str())])?)?;
+            ConstGauge::new(i64::from(phase == current))
+                .encode(family.encode_family(&[("phase", phase.as_str())])?)?;
         }
 
         let started = self.drain.started_at().map_or(0.0, |(_, wall)| {
-            wall.duration_since(UNIX_EPOCH).map_or(0.0, |since| since.as_secs_f64())
+            wall.duration_since(UNIX_EPOCH)
+                .map_or(0.0, |since| since.as_secs_f64())
         });
         ConstGauge::new(started).encode(encoder.encode_descriptor(
             "shutdown_started_timestamp_seconds",

@@ -39,7 +39,9 @@ impl ShutdownSignals {
     pub async fn next(&mut self) -> i32 {
         loop {
             match self.stream.next().await {
-                Some(SIGHUP) => tracing::info!("SIGHUP received and ignored: lameduck has no configuration to reload"),
+                Some(SIGHUP) => tracing::info!(
+                    "SIGHUP received and ignored: lameduck has no configuration to reload"
+                ),
                 Some(signal) => return signal,
                 // The stream ends only when its handle is closed, which nothing does.
                 None => std::future::pending::<()>().await,

@@ -25,7 +25,12 @@ use crate::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, Shared, is_resourc
 use crate::metrics::ConnectFailure;
 
 /// Forwards one accepted connection until both sides close, one fails, or the drain terminates it.
-pub async fn forward(client: TcpStream, registration: Registration, tokens: ConnTokens, shared: &Shared) {
+pub async fn forward(
+    client: TcpStream,
+    registration: Registration,
+    tokens: ConnTokens,
+    shared: &Shared,
+) {
     let conn = registration.conn();
     let _ = client.set_nodelay(true);
     let target = tokio::select! {
@@ -52,8 +57,16 @@ pub async fn forward(client: TcpStream, registration: Registration, tokens: Conn
     conn.set_state(ConnState::Open);
     debug!("forwarding");
 
-    let mut client = Counted { stream: client, conn: conn.clone(), side: Side::Peer };
-    let mut target = Counted { stream: target, conn: conn.clone(), side: Side::Target };
+    let mut client = Counted {
+        stream: client,
+        conn: conn.clone(),
+        side: Side::Peer,
+    };
+    let mut target = Counted {
+        stream: target,
+        conn: conn.clone(),
+        side: Side::Target,
+    };
     let outcome = tokio::select! {
         // The grace period ran out, or a second signal asked to stop now.
         _ = tokens.terminate.cancelled() => Err(io::Error::other("terminated by the shutdown")),
@@ -77,7 +90,10 @@ pub async fn forward(client: TcpStream, registration: Registration, tokens: Conn
 /// Connects to `target`, resolving a host name now, within `timeout`. When the process is out
 /// of file descriptors or memory, connecting is retried with back-off until the timeout: the
 /// client keeps its place instead of being reset for the proxy's own shortage.
-async fn connect(target: &Target, timeout: Duration) -> Result<TcpStream, (ConnectFailure, io::Error)> {
+async fn connect(
+    target: &Target,
+    timeout: Duration,
+) -> Result<TcpStream, (ConnectFailure, io::Error)> {
     let attempt = async {
         let mut backoff = ACCEPT_BACKOFF_MIN;
         loop {
@@ -95,7 +111,13 @@ async fn connect(target: &Target, timeout: Duration) -> Result<TcpStream, (Conne
         Ok(result) => result,
         Err(_) => Err((
             ConnectFailure::Timeout,
-            io::Error::new(io::ErrorKind::TimedOut, format!("no connection within {}", humantime::format_duration(timeout))),
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "no connection within {}",
+                    humantime::format_duration(timeout)
+                ),
+            ),
         )),
     }
 }
@@ -109,7 +131,10 @@ async fn connect_once(target: &Target) -> Result<TcpStream, (ConnectFailure, io:
             .map_err(|error| (ConnectFailure::Resolve, error))?
             .collect(),
     };
-    let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{target} resolved to no address"));
+    let mut last = io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("{target} resolved to no address"),
+    );
     for addr in addrs {
         match TcpStream::connect(addr).await {
             Ok(stream) => return Ok(stream),
@@ -143,7 +168,11 @@ struct Counted {
 }
 
 impl AsyncRead for Counted {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let poll = Pin::new(&mut self.stream).poll_read(cx, buf);
         let read = (buf.filled().len() - before) as u64;
@@ -159,7 +188,11 @@ impl AsyncRead for Counted {
 }
 
 impl AsyncWrite for Counted {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.stream).poll_write(cx, buf)
     }
 

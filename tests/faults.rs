@@ -15,7 +15,10 @@ use support::*;
 #[test]
 fn refused_target_resets_the_client_promptly_and_is_counted() {
     // A port that nobody listens on.
-    let closed_port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let closed_port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
     let mut proxy = Proxy::start(&["--inbound", &format!("127.0.0.1:0={closed_port}/tcp")]);
     let inbound = proxy.inbound[0];
     let started = Instant::now();
@@ -26,22 +29,44 @@ fn refused_target_resets_the_client_promptly_and_is_counted() {
         // The reset may already be there; a write consumes it as ECONNRESET or EPIPE.
         let close = match client.write_all(b"hello?") {
             Ok(()) => wait_close(&mut client, PATIENCE).0,
-            Err(error) if matches!(error.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe) => Close::Reset,
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    ErrorKind::ConnectionReset | ErrorKind::BrokenPipe
+                ) =>
+            {
+                Close::Reset
+            }
             Err(error) => panic!("unexpected write error {error}"),
         };
-        assert_eq!(close, Close::Reset, "a failed connect must not look like an empty reply");
+        assert_eq!(
+            close,
+            Close::Reset,
+            "a failed connect must not look like an empty reply"
+        );
         slowest = slowest.max(attempt.elapsed());
     }
-    eprintln!("100 connects to a refused target: {:?} in all, slowest {slowest:?}", started.elapsed());
-    assert!(slowest < Duration::from_secs(1), "slowest reset took {slowest:?}");
+    eprintln!(
+        "100 connects to a refused target: {:?} in all, slowest {slowest:?}",
+        started.elapsed()
+    );
+    assert!(
+        slowest < Duration::from_secs(1),
+        "slowest reset took {slowest:?}"
+    );
     assert_eq!(
-        proxy.metric("lameduck_upstream_connect_failures_total{direction=\"inbound\",reason=\"refused\"}"),
+        proxy.metric(
+            "lameduck_upstream_connect_failures_total{direction=\"inbound\",reason=\"refused\"}"
+        ),
         100.0
     );
     // No retry loop left behind: the proxy is idle and ready.
     let cpu_before = cpu_time(proxy.pid());
     thread::sleep(Duration::from_millis(500));
-    assert!(cpu_time(proxy.pid()) - cpu_before < Duration::from_millis(100), "the proxy keeps working after the failures");
+    assert!(
+        cpu_time(proxy.pid()) - cpu_before < Duration::from_millis(100),
+        "the proxy keeps working after the failures"
+    );
     assert_eq!(proxy.get("/ready").status, 200);
     proxy.signal(libc::SIGTERM);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
@@ -50,8 +75,16 @@ fn refused_target_resets_the_client_promptly_and_is_counted() {
 #[test]
 fn connect_timeout_resets_the_client() {
     // A listener whose accept queue is full and never drained: further SYNs go unanswered.
-    let blackhole = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    blackhole.bind(&"127.0.0.1:0".parse::<std::net::SocketAddr>().unwrap().into()).unwrap();
+    let blackhole =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    blackhole
+        .bind(
+            &"127.0.0.1:0"
+                .parse::<std::net::SocketAddr>()
+                .unwrap()
+                .into(),
+        )
+        .unwrap();
     blackhole.listen(0).unwrap();
     let target = blackhole.local_addr().unwrap().as_socket().unwrap();
     let mut fillers = Vec::new();
@@ -60,15 +93,24 @@ fn connect_timeout_resets_the_client() {
             fillers.push(stream);
         }
     }
-    let mut proxy = Proxy::start(&["--inbound", &format!("127.0.0.1:0={target}/tcp"), "--connect-timeout=300ms"]);
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &format!("127.0.0.1:0={target}/tcp"),
+        "--connect-timeout=300ms",
+    ]);
     let started = Instant::now();
     let mut client = TcpStream::connect(proxy.inbound[0]).unwrap();
     let (close, _) = wait_close(&mut client, PATIENCE);
     let took = started.elapsed();
     assert_eq!(close, Close::Reset);
-    assert!(took >= Duration::from_millis(250) && took < Duration::from_secs(3), "reset after {took:?} with a 300ms connect timeout");
+    assert!(
+        took >= Duration::from_millis(250) && took < Duration::from_secs(3),
+        "reset after {took:?} with a 300ms connect timeout"
+    );
     assert_eq!(
-        proxy.metric("lameduck_upstream_connect_failures_total{direction=\"inbound\",reason=\"timeout\"}"),
+        proxy.metric(
+            "lameduck_upstream_connect_failures_total{direction=\"inbound\",reason=\"timeout\"}"
+        ),
         1.0
     );
     proxy.signal(libc::SIGTERM);
@@ -82,12 +124,16 @@ fn client_that_disappears_frees_the_target_side() {
     let inbound = proxy.inbound[0];
     // Warm up so that the runtime's own descriptors are all open before the baseline.
     drop(echo_connect(inbound));
-    wait_until("warm-up connection closed", PATIENCE, || echo.open.load(Ordering::SeqCst) == 0);
+    wait_until("warm-up connection closed", PATIENCE, || {
+        echo.open.load(Ordering::SeqCst) == 0
+    });
     let baseline = fd_count(proxy.pid());
 
     for i in 0..1000 {
         let mut client = TcpStream::connect(inbound).unwrap();
-        client.write_all(b"POST / HTTP/1.1\r\ncontent-length: 100\r\n\r\nhalf").unwrap();
+        client
+            .write_all(b"POST / HTTP/1.1\r\ncontent-length: 100\r\n\r\nhalf")
+            .unwrap();
         if i % 2 == 0 {
             reset_close(client);
         } else {
@@ -95,10 +141,18 @@ fn client_that_disappears_frees_the_target_side() {
             drop(client);
         }
     }
-    let took = wait_until("the proxy closed every target connection", PATIENCE, || echo.open.load(Ordering::SeqCst) == 0);
+    let took = wait_until("the proxy closed every target connection", PATIENCE, || {
+        echo.open.load(Ordering::SeqCst) == 0
+    });
     eprintln!("1000 vanished clients: target side clean {took:?} after the last");
-    wait_until("descriptors back to the baseline", PATIENCE, || fd_count(proxy.pid()) <= baseline + 2);
-    let close_wait = ss_count("state close-wait", proxy.inbound[0].port(), echo.addr.port());
+    wait_until("descriptors back to the baseline", PATIENCE, || {
+        fd_count(proxy.pid()) <= baseline + 2
+    });
+    let close_wait = ss_count(
+        "state close-wait",
+        proxy.inbound[0].port(),
+        echo.addr.port(),
+    );
     assert_eq!(close_wait, 0, "connections left in CLOSE-WAIT");
     assert_eq!(proxy.get("/connections").body.matches("\"id\"").count(), 0);
     echo_connect(inbound);
@@ -115,7 +169,9 @@ fn half_close_is_forwarded_both_ways() {
         let (mut stream, _) = target.accept().unwrap();
         let mut request = Vec::new();
         stream.read_to_end(&mut request).unwrap();
-        stream.write_all(format!("got {} bytes: ", request.len()).as_bytes()).unwrap();
+        stream
+            .write_all(format!("got {} bytes: ", request.len()).as_bytes())
+            .unwrap();
         stream.write_all(&request).unwrap();
         drop(stream);
         // Reverse: the target finishes first while the client still sends.
@@ -144,7 +200,11 @@ fn half_close_is_forwarded_both_ways() {
     client.write_all(b"client still talking").unwrap();
     shutdown_write(&client);
     assert_eq!(server.join().unwrap(), b"client still talking");
-    assert_eq!(wait_close(&mut client, PATIENCE).0, Close::Eof, "full close after both FINs");
+    assert_eq!(
+        wait_close(&mut client, PATIENCE).0,
+        Close::Eof,
+        "full close after both FINs"
+    );
 
     proxy.signal(libc::SIGTERM);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
@@ -169,7 +229,11 @@ fn half_open_connection_is_closed_at_the_end_of_the_grace_period() {
         };
         closed_tx.send(outcome).unwrap();
     });
-    let mut proxy = Proxy::start(&["--inbound", &format!("127.0.0.1:0={target_addr}/tcp"), "--shutdown-grace-period=2s"]);
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &format!("127.0.0.1:0={target_addr}/tcp"),
+        "--shutdown-grace-period=2s",
+    ]);
     let mut client = TcpStream::connect(proxy.inbound[0]).unwrap();
     client.set_read_timeout(Some(PATIENCE)).unwrap();
     let mut nothing = Vec::new();
@@ -179,12 +243,23 @@ fn half_open_connection_is_closed_at_the_end_of_the_grace_period() {
 
     let sent = Instant::now();
     proxy.signal(libc::SIGTERM);
-    let target_side = closed_rx.recv_timeout(PATIENCE).expect("the target side was never closed");
+    let target_side = closed_rx
+        .recv_timeout(PATIENCE)
+        .expect("the target side was never closed");
     let at = sent.elapsed();
     assert_eq!(target_side, "reset");
-    assert!(at >= Duration::from_millis(1900) && at < Duration::from_secs(4), "closed at {at:?}, grace is 2s");
+    assert!(
+        at >= Duration::from_millis(1900) && at < Duration::from_secs(4),
+        "closed at {at:?}, grace is 2s"
+    );
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
-    assert!(client.write_all(b"x").and_then(|()| client.write_all(b"y")).is_err(), "the client side is closed too");
+    assert!(
+        client
+            .write_all(b"x")
+            .and_then(|()| client.write_all(b"y"))
+            .is_err(),
+        "the client side is closed too"
+    );
 }
 
 #[test]
@@ -194,43 +269,83 @@ fn out_of_file_descriptors_backs_off_without_spinning_and_recovers() {
     // SAFETY: setrlimit is async-signal-safe and touches only the child.
     unsafe {
         cmd.pre_exec(|| {
-            let limit = libc::rlimit { rlim_cur: 64, rlim_max: 64 };
+            let limit = libc::rlimit {
+                rlim_cur: 64,
+                rlim_max: 64,
+            };
             if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
         });
     }
-    let mut proxy = Proxy::start_command(&mut cmd, &["--inbound", &format!("{}/tcp", echo.route("127.0.0.1:0"))]);
+    let mut proxy = Proxy::start_command(
+        &mut cmd,
+        &["--inbound", &format!("{}/tcp", echo.route("127.0.0.1:0"))],
+    );
     let inbound = proxy.inbound[0];
 
     // Idle admin connections use up every descriptor, so accepting fails with EMFILE.
-    let hogs: Vec<TcpStream> = (0..80).map(|_| TcpStream::connect(proxy.admin).unwrap()).collect();
-    proxy.logs.wait_for("about exhausted descriptors", |line| line.contains("out of resources"));
-    let waiting: Vec<TcpStream> = (0..50).map(|_| TcpStream::connect(inbound).unwrap()).collect();
+    let hogs: Vec<TcpStream> = (0..80)
+        .map(|_| TcpStream::connect(proxy.admin).unwrap())
+        .collect();
+    proxy.logs.wait_for("about exhausted descriptors", |line| {
+        line.contains("out of resources")
+    });
+    let waiting: Vec<TcpStream> = (0..50)
+        .map(|_| TcpStream::connect(inbound).unwrap())
+        .collect();
     thread::sleep(Duration::from_millis(300));
 
     let (cpu, logged, elapsed) = measure(&proxy, "out of resources", Duration::from_secs(2));
-    eprintln!("out of descriptors for {elapsed:?}: proxy CPU {cpu:?}, {logged} accept-error log lines");
-    assert!(cpu < elapsed / 5, "the accept loops spin: {cpu:?} of CPU in {elapsed:?}");
-    assert!(logged <= 6, "{logged} log lines in {elapsed:?}: not rate-limited");
-    assert!(proxy.is_running(), "running out of descriptors must not end the proxy");
+    eprintln!(
+        "out of descriptors for {elapsed:?}: proxy CPU {cpu:?}, {logged} accept-error log lines"
+    );
+    assert!(
+        cpu < elapsed / 5,
+        "the accept loops spin: {cpu:?} of CPU in {elapsed:?}"
+    );
+    assert!(
+        logged <= 6,
+        "{logged} log lines in {elapsed:?}: not rate-limited"
+    );
+    assert!(
+        proxy.is_running(),
+        "running out of descriptors must not end the proxy"
+    );
 
     drop(hogs);
     drop(waiting);
-    let took = wait_until("a new connection is forwarded after the release", PATIENCE, || echoes(inbound));
+    let took = wait_until(
+        "a new connection is forwarded after the release",
+        PATIENCE,
+        || echoes(inbound),
+    );
     eprintln!("forwarding again {took:?} after releasing the descriptors");
     assert!(took < Duration::from_secs(5), "recovery took {took:?}");
 
     // The connection limit derived from the descriptor limit keeps the rest in the listen
     // queue: no errors, no spinning, and the admin server still answers.
-    let held: Vec<TcpStream> = (0..300).map(|_| TcpStream::connect(inbound).unwrap()).collect();
-    proxy.logs.wait_for("about the connection limit", |line| line.contains("at the connection limit"));
+    let held: Vec<TcpStream> = (0..300)
+        .map(|_| TcpStream::connect(inbound).unwrap())
+        .collect();
+    proxy.logs.wait_for("about the connection limit", |line| {
+        line.contains("at the connection limit")
+    });
     let (cpu, _, elapsed) = measure(&proxy, "out of resources", Duration::from_secs(1));
-    assert!(cpu < elapsed / 5, "{cpu:?} of CPU in {elapsed:?} at the connection limit");
-    assert_eq!(proxy.get("/live").status, 200, "the admin server answers while the data plane is at its limit");
+    assert!(
+        cpu < elapsed / 5,
+        "{cpu:?} of CPU in {elapsed:?} at the connection limit"
+    );
+    assert_eq!(
+        proxy.get("/live").status,
+        200,
+        "the admin server answers while the data plane is at its limit"
+    );
     drop(held);
-    let took = wait_until("forwarding after the queue emptied", PATIENCE, || echoes(inbound));
+    let took = wait_until("forwarding after the queue emptied", PATIENCE, || {
+        echoes(inbound)
+    });
     assert!(took < Duration::from_secs(5), "recovery took {took:?}");
     proxy.signal(libc::SIGTERM);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
@@ -243,26 +358,42 @@ fn measure(proxy: &Proxy, needle: &str, window: Duration) -> (Duration, usize, D
     let started = Instant::now();
     thread::sleep(window);
     let cpu = cpu_time(proxy.pid()) - cpu_before;
-    (cpu, count_lines(&proxy.logs, needle) - logged_before, started.elapsed())
+    (
+        cpu,
+        count_lines(&proxy.logs, needle) - logged_before,
+        started.elapsed(),
+    )
 }
 
 /// Whether a fresh connection through `addr` echoes within half a second.
 fn echoes(addr: std::net::SocketAddr) -> bool {
-    let Ok(mut stream) = TcpStream::connect(addr) else { return false };
-    stream.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+    let Ok(mut stream) = TcpStream::connect(addr) else {
+        return false;
+    };
+    stream
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
     let mut buf = [0u8; 2];
     stream.write_all(b"ok").is_ok() && stream.read_exact(&mut buf).is_ok() && &buf == b"ok"
 }
 
 fn count_lines(logs: &Logs, needle: &str) -> usize {
-    logs.lines().iter().filter(|line| line.contains(needle)).count()
+    logs.lines()
+        .iter()
+        .filter(|line| line.contains(needle))
+        .count()
 }
 
 /// Sockets in `filter` between the proxy's listen port and the target's port, seen by ss(8).
 fn ss_count(filter: &str, listen_port: u16, target_port: u16) -> usize {
-    let output = std::process::Command::new("ss").args(["-Htan", filter]).output().expect("run ss");
+    let output = std::process::Command::new("ss")
+        .args(["-Htan", filter])
+        .output()
+        .expect("run ss");
     String::from_utf8_lossy(&output.stdout)
         .lines()
-        .filter(|line| line.contains(&format!(":{listen_port} ")) || line.contains(&format!(":{target_port} ")))
+        .filter(|line| {
+            line.contains(&format!(":{listen_port} ")) || line.contains(&format!(":{target_port} "))
+        })
         .count()
 }

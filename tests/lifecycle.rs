@@ -18,9 +18,16 @@ fn idle_proxy_exits_promptly_after_sigterm() {
     let status = proxy.wait_exit(PATIENCE);
     let took = sent.elapsed();
     assert_eq!(status.code(), Some(0));
-    assert!(took < Duration::from_secs(1), "an idle proxy took {took:?} to exit");
+    assert!(
+        took < Duration::from_secs(1),
+        "an idle proxy took {took:?} to exit"
+    );
     eprintln!("idle proxy exited {took:?} after SIGTERM");
-    assert!(proxy.logs.text().contains("drained"), "{}", proxy.logs.text());
+    assert!(
+        proxy.logs.text().contains("drained"),
+        "{}",
+        proxy.logs.text()
+    );
 }
 
 #[test]
@@ -38,11 +45,20 @@ fn sigterm_stops_accepting_at_once_and_keeps_accepted_connections() {
 
     let sent = Instant::now();
     proxy.signal(libc::SIGTERM);
-    let ready_after = wait_until("/ready turns 503", PATIENCE, || proxy.get("/ready").status == 503);
-    let refused_after = wait_until("a new connection is refused", PATIENCE, || try_connect(inbound) == Attempt::Refused);
+    let ready_after = wait_until("/ready turns 503", PATIENCE, || {
+        proxy.get("/ready").status == 503
+    });
+    let refused_after = wait_until("a new connection is refused", PATIENCE, || {
+        try_connect(inbound) == Attempt::Refused
+    });
     let refused_after_signal = sent.elapsed();
-    eprintln!("after SIGTERM: /ready 503 within {ready_after:?}, first refused connect {refused_after_signal:?}");
-    assert!(refused_after < Duration::from_secs(1), "refusing took {refused_after:?}");
+    eprintln!(
+        "after SIGTERM: /ready 503 within {ready_after:?}, first refused connect {refused_after_signal:?}"
+    );
+    assert!(
+        refused_after < Duration::from_secs(1),
+        "refusing took {refused_after:?}"
+    );
 
     // Every later attempt is refused, on both sides (outbound closes with inbound by default).
     for _ in 0..100 {
@@ -71,17 +87,30 @@ fn lame_duck_period_keeps_accepting_then_refuses() {
     let held = echo_connect(inbound);
     let sent = Instant::now();
     proxy.signal(libc::SIGTERM);
-    wait_until("/ready turns 503", PATIENCE, || proxy.get("/ready").status == 503);
-    assert!(sent.elapsed() < Duration::from_millis(1500), "/ready turned 503 only after the lame-duck period");
+    wait_until("/ready turns 503", PATIENCE, || {
+        proxy.get("/ready").status == 503
+    });
+    assert!(
+        sent.elapsed() < Duration::from_millis(1500),
+        "/ready turned 503 only after the lame-duck period"
+    );
 
     // During the lame-duck period new connections are still accepted and forwarded.
     let mut during = echo_connect(inbound);
-    assert!(sent.elapsed() < Duration::from_millis(1500), "the machine was too slow to test inside the period");
+    assert!(
+        sent.elapsed() < Duration::from_millis(1500),
+        "the machine was too slow to test inside the period"
+    );
     echo_round_trip(&mut during, b"lame duck");
 
-    let refused = wait_until("refused after the lame-duck period", PATIENCE, || try_connect(inbound) == Attempt::Refused);
+    let refused = wait_until("refused after the lame-duck period", PATIENCE, || {
+        try_connect(inbound) == Attempt::Refused
+    });
     let at = sent.elapsed();
-    assert!(at >= Duration::from_millis(1400), "refused after {at:?}, before the lame-duck period ended");
+    assert!(
+        at >= Duration::from_millis(1400),
+        "refused after {at:?}, before the lame-duck period ended"
+    );
     eprintln!("lame duck 1500ms: first refusal {at:?} after SIGTERM (polled for {refused:?})");
 
     drop(held);
@@ -95,7 +124,9 @@ fn tcp_stream_keeps_flowing_while_draining() {
     let mut proxy = Proxy::start(&["--inbound", &format!("{}/tcp", echo.route("127.0.0.1:0"))]);
     let mut stream = echo_connect(proxy.inbound[0]);
     let mut exchange = |round: u32| {
-        let payload: Vec<u8> = (0..1024u32).map(|i| (i.wrapping_mul(31) ^ round) as u8).collect();
+        let payload: Vec<u8> = (0..1024u32)
+            .map(|i| (i.wrapping_mul(31) ^ round) as u8)
+            .collect();
         echo_round_trip(&mut stream, &payload);
     };
     for round in 0..5 {
@@ -107,12 +138,18 @@ fn tcp_stream_keeps_flowing_while_draining() {
         exchange(round);
         thread::sleep(Duration::from_millis(100));
     }
-    assert!(proxy.is_running(), "the proxy exited while a stream was open");
+    assert!(
+        proxy.is_running(),
+        "the proxy exited while a stream was open"
+    );
     let closed = Instant::now();
     drop(stream);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
     let took = closed.elapsed();
-    assert!(took < Duration::from_secs(1), "exit took {took:?} after the last connection closed");
+    assert!(
+        took < Duration::from_secs(1),
+        "exit took {took:?} after the last connection closed"
+    );
     eprintln!("exited {took:?} after the last stream closed");
 }
 
@@ -124,8 +161,10 @@ fn grace_expiry_resets_open_tcp_connections_and_names_them() {
     thread::spawn(move || {
         for stream in firehose.incoming() {
             let Ok(mut stream) = stream else { continue };
-            thread::spawn(move || while stream.write_all(&[b'x'; 1024]).is_ok() {
-                thread::sleep(Duration::from_millis(10));
+            thread::spawn(move || {
+                while stream.write_all(&[b'x'; 1024]).is_ok() {
+                    thread::sleep(Duration::from_millis(10));
+                }
             });
         }
     });
@@ -151,29 +190,59 @@ fn grace_expiry_resets_open_tcp_connections_and_names_them() {
     let status = proxy.wait_exit(PATIENCE);
     let exit_at = sent.elapsed();
 
-    assert_eq!(idle_close, Close::Reset, "the idle tunnel must be reset, not closed as if complete");
+    assert_eq!(
+        idle_close,
+        Close::Reset,
+        "the idle tunnel must be reset, not closed as if complete"
+    );
     assert_eq!(streaming_close, Close::Reset);
     assert!(
         idle_at >= Duration::from_millis(1900) && idle_at <= Duration::from_secs(4),
         "reset at {idle_at:?}, expected at the 2 s grace period"
     );
     assert!(exit_at <= Duration::from_secs(4), "exited at {exit_at:?}");
-    assert_eq!(status.code(), Some(0), "a forced close at the end of the grace period still exits 0");
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "a forced close at the end of the grace period still exits 0"
+    );
     eprintln!("grace 2s: connections reset at {idle_at:?}, exit at {exit_at:?}");
 
     let logs = proxy.logs.text();
-    let named: Vec<String> = proxy.logs.lines().into_iter().filter(|line| line.contains("force-closing")).collect();
+    let named: Vec<String> = proxy
+        .logs
+        .lines()
+        .into_iter()
+        .filter(|line| line.contains("force-closing"))
+        .collect();
     assert_eq!(named.len(), 2, "both survivors are named:\n{logs}");
     let idle_peer = idle.local_addr().unwrap().to_string();
-    assert!(named.iter().any(|line| line.contains(&format!("peer={idle_peer}"))), "{logs}");
-    assert!(named.iter().all(|line| line.contains("age=") && line.contains("bytes_from_peer=")), "{logs}");
-    assert!(logs.contains("\"connections\":2"), "the count of reset connections is logged:\n{logs}");
+    assert!(
+        named
+            .iter()
+            .any(|line| line.contains(&format!("peer={idle_peer}"))),
+        "{logs}"
+    );
+    assert!(
+        named
+            .iter()
+            .all(|line| line.contains("age=") && line.contains("bytes_from_peer=")),
+        "{logs}"
+    );
+    assert!(
+        logs.contains("\"connections\":2"),
+        "the count of reset connections is logged:\n{logs}"
+    );
 }
 
 #[test]
 fn zero_grace_period_resets_at_once() {
     let echo = EchoServer::start();
-    let mut proxy = Proxy::start(&["--inbound", &echo.route("127.0.0.1:0"), "--shutdown-grace-period=0s"]);
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &echo.route("127.0.0.1:0"),
+        "--shutdown-grace-period=0s",
+    ]);
     let mut held = echo_connect(proxy.inbound[0]);
     let sent = Instant::now();
     proxy.signal(libc::SIGTERM);
@@ -187,25 +256,46 @@ fn zero_grace_period_resets_at_once() {
 #[test]
 fn admin_shutdown_drains_like_sigterm() {
     let echo = EchoServer::start();
-    let mut proxy = Proxy::start(&["--inbound", &echo.route("127.0.0.1:0"), "--shutdown-endpoint"]);
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &echo.route("127.0.0.1:0"),
+        "--shutdown-endpoint",
+    ]);
     let inbound = proxy.inbound[0];
     let mut held = echo_connect(inbound);
 
     let response = proxy.post("/shutdown");
     assert_eq!(response.status, 200);
     assert_eq!(response.body, "shutdown\n");
-    wait_until("refused after POST /shutdown", PATIENCE, || try_connect(inbound) == Attempt::Refused);
+    wait_until("refused after POST /shutdown", PATIENCE, || {
+        try_connect(inbound) == Attempt::Refused
+    });
     assert_eq!(proxy.get("/ready").status, 503);
-    assert_eq!(proxy.get("/live").status, 200, "the admin server keeps serving while draining");
+    assert_eq!(
+        proxy.get("/live").status,
+        200,
+        "the admin server keeps serving while draining"
+    );
     echo_round_trip(&mut held, b"in flight");
 
     let again = proxy.post("/shutdown");
-    assert_eq!((again.status, again.body.as_str()), (200, "shutdown\n"), "a second POST answers 200 and does nothing more");
+    assert_eq!(
+        (again.status, again.body.as_str()),
+        (200, "shutdown\n"),
+        "a second POST answers 200 and does nothing more"
+    );
     assert_eq!(proxy.logs.events("shutdown started").len(), 1);
-    assert_eq!(proxy.logs.events("shutdown started")[0]["fields"]["trigger"], "POST /shutdown");
+    assert_eq!(
+        proxy.logs.events("shutdown started")[0]["fields"]["trigger"],
+        "POST /shutdown"
+    );
 
     drop(held);
-    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0), "same exit status as after SIGTERM");
+    assert_eq!(
+        proxy.wait_exit(PATIENCE).code(),
+        Some(0),
+        "same exit status as after SIGTERM"
+    );
 }
 
 #[test]
@@ -216,12 +306,19 @@ fn second_sigterm_stops_now_with_143() {
     proxy.signal(libc::SIGTERM);
     wait_until("draining", PATIENCE, || proxy.get("/ready").status == 503);
     thread::sleep(Duration::from_millis(200));
-    assert!(proxy.is_running(), "one SIGTERM drains, it does not stop an open connection");
+    assert!(
+        proxy.is_running(),
+        "one SIGTERM drains, it does not stop an open connection"
+    );
     let sent = Instant::now();
     proxy.signal(libc::SIGTERM);
     let status = proxy.wait_exit(PATIENCE);
     assert_eq!(status.code(), Some(143));
-    assert!(sent.elapsed() < Duration::from_secs(2), "stop now took {:?}", sent.elapsed());
+    assert!(
+        sent.elapsed() < Duration::from_secs(2),
+        "stop now took {:?}",
+        sent.elapsed()
+    );
     assert_eq!(wait_close(&mut held, PATIENCE).0, Close::Reset);
     assert!(!proxy.logs.text().contains("panicked"));
 }
@@ -232,9 +329,14 @@ fn sigint_drains_like_sigterm_and_a_second_sigint_exits_130() {
     let mut proxy = Proxy::start(&["--inbound", &echo.route("127.0.0.1:0")]);
     let mut held = echo_connect(proxy.inbound[0]);
     proxy.signal(libc::SIGINT);
-    wait_until("refused after SIGINT", PATIENCE, || try_connect(proxy.inbound[0]) == Attempt::Refused);
+    wait_until("refused after SIGINT", PATIENCE, || {
+        try_connect(proxy.inbound[0]) == Attempt::Refused
+    });
     echo_round_trip(&mut held, b"after SIGINT");
-    assert_eq!(proxy.logs.events("shutdown started")[0]["fields"]["trigger"], "SIGINT");
+    assert_eq!(
+        proxy.logs.events("shutdown started")[0]["fields"]["trigger"],
+        "SIGINT"
+    );
     proxy.signal(libc::SIGINT);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(130));
 
@@ -252,9 +354,15 @@ fn sighup_is_not_fatal() {
     let echo = EchoServer::start();
     let mut proxy = Proxy::start(&["--inbound", &echo.route("127.0.0.1:0")]);
     proxy.signal(libc::SIGHUP);
-    proxy.logs.wait_for("about SIGHUP", |line| line.contains("SIGHUP"));
+    proxy
+        .logs
+        .wait_for("about SIGHUP", |line| line.contains("SIGHUP"));
     assert!(proxy.is_running());
-    assert_eq!(proxy.get("/ready").status, 200, "SIGHUP does not start a shutdown");
+    assert_eq!(
+        proxy.get("/ready").status,
+        200,
+        "SIGHUP does not start a shutdown"
+    );
     echo_connect(proxy.inbound[0]);
     proxy.signal(libc::SIGTERM);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
@@ -274,7 +382,9 @@ fn outbound_after_inbound_keeps_outbound_open_until_inbound_drained() {
     let held_inbound = echo_connect(inbound);
     let mut held_outbound = echo_connect(outbound);
     proxy.signal(libc::SIGTERM);
-    wait_until("inbound refused", PATIENCE, || try_connect(inbound) == Attempt::Refused);
+    wait_until("inbound refused", PATIENCE, || {
+        try_connect(inbound) == Attempt::Refused
+    });
 
     // While an inbound connection is open the app can still call out, on new connections too.
     for _ in 0..5 {
@@ -286,8 +396,13 @@ fn outbound_after_inbound_keeps_outbound_open_until_inbound_drained() {
 
     let drained = Instant::now();
     drop(held_inbound);
-    let took = wait_until("outbound refused once inbound drained", PATIENCE, || try_connect(outbound) == Attempt::Refused);
-    eprintln!("outbound listener closed {took:?} after the last inbound connection ({:?})", drained.elapsed());
+    let took = wait_until("outbound refused once inbound drained", PATIENCE, || {
+        try_connect(outbound) == Attempt::Refused
+    });
+    eprintln!(
+        "outbound listener closed {took:?} after the last inbound connection ({:?})",
+        drained.elapsed()
+    );
     assert!(took < Duration::from_secs(2));
     echo_round_trip(&mut held_outbound, b"outbound connections still drain");
     drop(held_outbound);
@@ -301,22 +416,35 @@ fn sigterm_during_start_up_is_not_lost() {
     for _ in 0..5 {
         let echo = EchoServer::start();
         let mut child = command()
-            .args(["--inbound", &echo.route("127.0.0.1:0"), "--admin=127.0.0.1:0"])
+            .args([
+                "--inbound",
+                &echo.route("127.0.0.1:0"),
+                "--admin=127.0.0.1:0",
+            ])
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         let pid = child.id() as i32;
-        wait_until("the SIGTERM handler is installed", PATIENCE, || sigterm_caught(pid));
+        wait_until("the SIGTERM handler is installed", PATIENCE, || {
+            sigterm_caught(pid)
+        });
         signal_pid(pid, libc::SIGTERM);
         let deadline = Instant::now() + PATIENCE;
         let status = loop {
             if let Some(status) = child.try_wait().unwrap() {
                 break status;
             }
-            assert!(Instant::now() < deadline, "a SIGTERM sent during start-up was lost");
+            assert!(
+                Instant::now() < deadline,
+                "a SIGTERM sent during start-up was lost"
+            );
             thread::sleep(Duration::from_millis(1));
         };
-        assert_eq!(status.code(), Some(0), "a shutdown before serving is still a graceful one");
+        assert_eq!(
+            status.code(),
+            Some(0),
+            "a shutdown before serving is still a graceful one"
+        );
     }
 }
 
@@ -328,23 +456,31 @@ fn pid1_drains_on_sigterm_and_does_not_lose_an_early_one() {
         &mut pid1_command(),
         &["--inbound", &echo.route("127.0.0.1:0")],
     );
-    let pid = child_pid(proxy.pid());
+    let pid = wait_for_child_pid(proxy.pid());
     assert_eq!(ns_pid(pid), 1, "lameduck should be PID 1 in its namespace");
     let mut held = echo_connect(proxy.inbound[0]);
     signal_pid(pid, libc::SIGTERM);
-    wait_until("refused after SIGTERM to PID 1", PATIENCE, || try_connect(proxy.inbound[0]) == Attempt::Refused);
+    wait_until("refused after SIGTERM to PID 1", PATIENCE, || {
+        try_connect(proxy.inbound[0]) == Attempt::Refused
+    });
     echo_round_trip(&mut held, b"pid 1 drains");
     drop(held);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 
     // Start-up: SIGTERM as soon as the handler exists, before the proxy serves.
     let mut wrapper = pid1_command()
-        .args(["--inbound", &echo.route("127.0.0.1:0"), "--admin=127.0.0.1:0"])
+        .args([
+            "--inbound",
+            &echo.route("127.0.0.1:0"),
+            "--admin=127.0.0.1:0",
+        ])
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
     let pid = wait_for_child_pid(wrapper.id() as i32);
-    wait_until("the SIGTERM handler is installed", PATIENCE, || sigterm_caught(pid));
+    wait_until("the SIGTERM handler is installed", PATIENCE, || {
+        sigterm_caught(pid)
+    });
     signal_pid(pid, libc::SIGTERM);
     let deadline = Instant::now() + PATIENCE;
     let status = loop {
@@ -352,7 +488,7 @@ fn pid1_drains_on_sigterm_and_does_not_lose_an_early_one() {
             break status;
         }
         if Instant::now() > deadline {
-            let _ = signal_pid(pid, libc::SIGKILL);
+            signal_pid(pid, libc::SIGKILL);
             panic!("PID 1 lost a SIGTERM sent during start-up");
         }
         thread::sleep(Duration::from_millis(1));
@@ -370,14 +506,12 @@ fn pid1_command() -> std::process::Command {
 fn wait_for_child_pid(parent: i32) -> i32 {
     let mut pid = None;
     wait_until("unshare forks lameduck", PATIENCE, || {
-        pid = children(parent).into_iter().find(|&child| comm(child) == "lameduck");
+        pid = children(parent)
+            .into_iter()
+            .find(|&child| comm(child) == "lameduck");
         pid.is_some()
     });
     pid.unwrap()
-}
-
-fn child_pid(parent: i32) -> i32 {
-    wait_for_child_pid(parent)
 }
 
 fn children(pid: i32) -> Vec<i32> {
@@ -389,19 +523,29 @@ fn children(pid: i32) -> Vec<i32> {
 }
 
 fn comm(pid: i32) -> String {
-    std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default().trim().to_string()
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .unwrap_or_default()
+        .trim()
+        .to_string()
 }
 
 /// The PID of `pid` inside its own PID namespace (the last NSpid entry).
 fn ns_pid(pid: i32) -> i32 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|line| line.starts_with("NSpid:")).unwrap();
+    let line = status
+        .lines()
+        .find(|line| line.starts_with("NSpid:"))
+        .unwrap();
     line.split_whitespace().last().unwrap().parse().unwrap()
 }
 
 /// Whether the process has a handler for SIGTERM (bit 15 of SigCgt).
 fn sigterm_caught(pid: i32) -> bool {
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { return false };
-    let Some(mask) = status.lines().find_map(|line| line.strip_prefix("SigCgt:")) else { return false };
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    let Some(mask) = status.lines().find_map(|line| line.strip_prefix("SigCgt:")) else {
+        return false;
+    };
     u64::from_str_radix(mask.trim(), 16).is_ok_and(|mask| mask & (1 << (libc::SIGTERM - 1)) != 0)
 }

@@ -76,7 +76,11 @@ impl Logs {
                 return line.clone();
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            assert!(!left.is_zero(), "no log line {what} within {PATIENCE:?}; logs:\n{}", guard.join("\n"));
+            assert!(
+                !left.is_zero(),
+                "no log line {what} within {PATIENCE:?}; logs:\n{}",
+                guard.join("\n")
+            );
             guard = changed.wait_timeout(guard, left).unwrap().0;
         }
     }
@@ -115,11 +119,19 @@ impl Proxy {
         if !args.iter().any(|arg| arg.starts_with("--admin")) {
             cmd.arg("--admin=127.0.0.1:0");
         }
-        let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("spawn lameduck");
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn lameduck");
         let logs = Logs::default();
-        logs.clone().collect(child.stderr.take().expect("stderr is piped"));
+        logs.clone()
+            .collect(child.stderr.take().expect("stderr is piped"));
         logs.wait_for("saying the proxy serves", |line| {
-            line.contains("\"message\":\"serving\"") || line.contains("panicked") || line.contains("\"level\":\"ERROR\"")
+            line.contains("\"message\":\"serving\"")
+                || line.contains("panicked")
+                || line.contains("\"level\":\"ERROR\"")
         });
         let admin_event = logs.events("admin server listening");
         let admin = admin_event
@@ -138,7 +150,14 @@ impl Proxy {
                 _ => outbound.push(addr),
             }
         }
-        Proxy { child, logs, admin, inbound, outbound, status: None }
+        Proxy {
+            child,
+            logs,
+            admin,
+            inbound,
+            outbound,
+            status: None,
+        }
     }
 
     pub fn pid(&self) -> i32 {
@@ -153,7 +172,10 @@ impl Proxy {
     pub fn wait_exit(&mut self, limit: Duration) -> ExitStatus {
         match self.try_wait_exit(limit) {
             Some(status) => status,
-            None => panic!("the proxy did not exit within {limit:?}; logs:\n{}", self.logs.text()),
+            None => panic!(
+                "the proxy did not exit within {limit:?}; logs:\n{}",
+                self.logs.text()
+            ),
         }
     }
 
@@ -191,7 +213,10 @@ impl Proxy {
     pub fn metric(&self, sample: &str) -> f64 {
         let body = self.get("/metrics").body;
         body.lines()
-            .find_map(|line| line.strip_prefix(sample).and_then(|rest| rest.strip_prefix(' ')))
+            .find_map(|line| {
+                line.strip_prefix(sample)
+                    .and_then(|rest| rest.strip_prefix(' '))
+            })
             .unwrap_or_else(|| panic!("no sample {sample} in:\n{body}"))
             .trim()
             .parse()
@@ -211,14 +236,25 @@ impl Drop for Proxy {
 pub fn signal_pid(pid: i32, signal: i32) {
     // SAFETY: kill(2) has no memory-safety preconditions.
     let rc = unsafe { libc::kill(pid, signal) };
-    assert_eq!(rc, 0, "kill({pid}, {signal}) failed: {}", std::io::Error::last_os_error());
+    assert_eq!(
+        rc,
+        0,
+        "kill({pid}, {signal}) failed: {}",
+        std::io::Error::last_os_error()
+    );
 }
 
 /// Runs the binary to completion with `args` and extra environment; returns status, stderr and
 /// how long it ran.
-pub fn run_to_exit(args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> (ExitStatus, String, Duration) {
+pub fn run_to_exit(
+    args: &[&str],
+    env: &[(&str, &std::ffi::OsStr)],
+) -> (ExitStatus, String, Duration) {
     let mut cmd = command();
-    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     for (name, value) in env {
         cmd.env(name, value);
     }
@@ -237,9 +273,19 @@ pub fn run_to_exit(args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> (ExitStat
     };
     let elapsed = started.elapsed();
     let mut stderr = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
     let mut stdout = String::new();
-    child.stdout.take().unwrap().read_to_string(&mut stdout).unwrap();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut stdout)
+        .unwrap();
     (status, stderr + &stdout, elapsed)
 }
 
@@ -255,22 +301,33 @@ impl HttpResponse {
     pub fn header(&self, name: &str) -> Option<String> {
         self.head.lines().skip(1).find_map(|line| {
             let (key, value) = line.split_once(':')?;
-            key.trim().eq_ignore_ascii_case(name).then(|| value.trim().to_string())
+            key.trim()
+                .eq_ignore_ascii_case(name)
+                .then(|| value.trim().to_string())
         })
     }
 }
 
 /// One HTTP/1.1 request on a fresh connection; `headers` may override `Host`.
 pub fn http(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)]) -> HttpResponse {
-    let stream = TcpStream::connect(addr).unwrap_or_else(|error| panic!("connect to admin {addr}: {error}"));
+    let stream =
+        TcpStream::connect(addr).unwrap_or_else(|error| panic!("connect to admin {addr}: {error}"));
     http_on(stream, method, path, headers)
 }
 
 /// One HTTP/1.1 request on `stream`, which is closed afterwards.
-pub fn http_on(mut stream: TcpStream, method: &str, path: &str, headers: &[(&str, &str)]) -> HttpResponse {
+pub fn http_on(
+    mut stream: TcpStream,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> HttpResponse {
     stream.set_read_timeout(Some(PATIENCE)).unwrap();
     let mut request = format!("{method} {path} HTTP/1.1\r\n");
-    if !headers.iter().any(|(name, _)| name.eq_ignore_ascii_case("host")) {
+    if !headers
+        .iter()
+        .any(|(name, _)| name.eq_ignore_ascii_case("host"))
+    {
         request.push_str("Host: localhost\r\n");
     }
     for (name, value) in headers {
@@ -281,15 +338,27 @@ pub fn http_on(mut stream: TcpStream, method: &str, path: &str, headers: &[(&str
     request.push_str("Connection: close\r\nContent-Length: 0\r\n\r\n");
     stream.write_all(request.as_bytes()).unwrap();
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).expect("read the admin response");
+    stream
+        .read_to_end(&mut raw)
+        .expect("read the admin response");
     parse_response(&raw)
 }
 
 pub fn parse_response(raw: &[u8]) -> HttpResponse {
     let text = String::from_utf8_lossy(raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or_else(|| panic!("not an HTTP response: {text:?}"));
-    let status = head.split(' ').nth(1).and_then(|code| code.parse().ok()).unwrap_or_else(|| panic!("no status in {head:?}"));
-    HttpResponse { status, head: head.to_string(), body: body.to_string() }
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("not an HTTP response: {text:?}"));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {head:?}"));
+    HttpResponse {
+        status,
+        head: head.to_string(),
+        body: body.to_string(),
+    }
 }
 
 /// A backend that echoes every byte back and, on the client's FIN, finishes its reply and
@@ -337,7 +406,8 @@ impl EchoServer {
 
 /// Connects and proves the path works with one echo round trip.
 pub fn echo_connect(addr: SocketAddr) -> TcpStream {
-    let mut stream = TcpStream::connect(addr).unwrap_or_else(|error| panic!("connect {addr}: {error}"));
+    let mut stream =
+        TcpStream::connect(addr).unwrap_or_else(|error| panic!("connect {addr}: {error}"));
     stream.set_read_timeout(Some(PATIENCE)).unwrap();
     echo_round_trip(&mut stream, b"hello");
     stream
@@ -347,7 +417,9 @@ pub fn echo_connect(addr: SocketAddr) -> TcpStream {
 pub fn echo_round_trip(stream: &mut TcpStream, payload: &[u8]) {
     stream.write_all(payload).expect("write through the proxy");
     let mut back = vec![0u8; payload.len()];
-    stream.read_exact(&mut back).expect("read the echo through the proxy");
+    stream
+        .read_exact(&mut back)
+        .expect("read the echo through the proxy");
     assert_eq!(back, payload, "the echo came back changed");
 }
 
@@ -392,13 +464,17 @@ pub enum Close {
 
 pub fn wait_close(stream: &mut TcpStream, limit: Duration) -> (Close, Duration) {
     let started = Instant::now();
-    stream.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_millis(20)))
+        .unwrap();
     let mut buf = [0u8; 64 * 1024];
     loop {
         match stream.read(&mut buf) {
             Ok(0) => return (Close::Eof, started.elapsed()),
             Ok(_) => {}
-            Err(error) if error.kind() == ErrorKind::ConnectionReset => return (Close::Reset, started.elapsed()),
+            Err(error) if error.kind() == ErrorKind::ConnectionReset => {
+                return (Close::Reset, started.elapsed());
+            }
             Err(error) if matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
             Err(error) => panic!("unexpected read error {error}"),
         }
@@ -415,13 +491,17 @@ pub fn shutdown_write(stream: &TcpStream) {
 
 /// Closes with RST (SO_LINGER 0).
 pub fn reset_close(stream: TcpStream) {
-    socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO)).unwrap();
+    socket2::SockRef::from(&stream)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
     drop(stream);
 }
 
 /// Open file descriptors of a process.
 pub fn fd_count(pid: i32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map(|dir| dir.count()).unwrap_or(0)
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|dir| dir.count())
+        .unwrap_or(0)
 }
 
 /// CPU time (user + system) a process has used, from /proc/PID/stat.
