@@ -2,8 +2,10 @@
 //!
 //! [`bind`] opens a socket with the options the proxy wants (address reuse, a deep backlog).
 //! [`accept_loop`] hands each accepted connection to the route's handler as a task tracked by
-//! the side's [`TaskTracker`](tokio_util::task::TaskTracker), backs off instead of spinning when
-//! the process runs out of file descriptors or memory, and when its side's listeners close,
+//! the side's [`TaskTracker`](tokio_util::task::TaskTracker). It accepts only while the
+//! process is under its [`connection_limit`] (otherwise clients wait in the kernel's queue),
+//! backs off instead of spinning when accepting fails for lack of file descriptors or memory,
+//! and when its side's listeners close,
 //! accepts what the kernel already queued (those clients completed their handshake) before
 //! closing the socket, so that later connection attempts are refused at once.
 
@@ -59,20 +61,8 @@ pub async fn accept_loop(listener: TcpListener, route: Arc<Route>, shared: Arc<S
     let mut errors = AcceptErrors::default();
     let mut at_limit_logged: Option<Instant> = None;
     loop {
-        let permit = match shared.limit.clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(_) => {
-                if at_limit_logged.is_none_or(|last| last.elapsed() >= ACCEPT_ERROR_LOG_INTERVAL) {
-                    warn!(listen = %route.listen, open = shared.conns.len(), "at the connection limit set by the file-descriptor limit; new connections wait in the listen queue");
-                    at_limit_logged = Some(Instant::now());
-                }
-                tokio::select! {
-                    // The shutdown sequence closed this side's listeners.
-                    _ = side.close_listeners.cancelled() => break,
-                    // A connection closed and gave its permit back.
-                    permit = shared.limit.clone().acquire_owned() => permit.expect("the connection limit is never closed"),
-                }
-            }
+        let Some(permit) = room_for_one_more(&shared, &route, &mut at_limit_logged).await else {
+            break;
         };
         let accepted = tokio::select! {
             // Closing wins over a ready connection so that a flood of connects cannot delay
@@ -101,6 +91,33 @@ pub async fn accept_loop(listener: TcpListener, route: Arc<Route>, shared: Arc<S
     }
     accept_queued(listener, &route, &shared);
     info!(direction = %route.direction, listen = %route.listen, "listener closed");
+}
+
+/// Waits for a permit under the connection limit, logging (at most once per
+/// [`ACCEPT_ERROR_LOG_INTERVAL`]) when the limit holds new connections back. `None` when the
+/// route's listeners close meanwhile.
+async fn room_for_one_more(
+    shared: &Shared,
+    route: &Route,
+    logged: &mut Option<Instant>,
+) -> Option<OwnedSemaphorePermit> {
+    if let Ok(permit) = shared.limit.clone().try_acquire_owned() {
+        return Some(permit);
+    }
+    if logged.is_none_or(|last| last.elapsed() >= ACCEPT_ERROR_LOG_INTERVAL) {
+        warn!(
+            listen = %route.listen,
+            open = shared.conns.len(),
+            "at the connection limit set by the file-descriptor limit; new connections wait in the listen queue"
+        );
+        *logged = Some(Instant::now());
+    }
+    tokio::select! {
+        // The shutdown sequence closed this side's listeners.
+        _ = shared.drain.side(route.direction).close_listeners.cancelled() => None,
+        // A connection closed and gave its permit back.
+        permit = shared.limit.clone().acquire_owned() => permit.ok(),
+    }
 }
 
 /// Accepts every connection already in the kernel's queue, then closes the listener.
