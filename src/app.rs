@@ -19,9 +19,10 @@ use crate::admin::{self, Admin};
 use crate::config::{Config, Direction, OutboundShutdown, Route};
 use crate::conns::Connections;
 use crate::drain::{Drain, Phase, ShutdownReason, signal_name};
-use crate::listener::{self, Shared};
+use crate::listener::{self, RouteHandle, Shared};
 use crate::metrics::Metrics;
 use crate::signals::ShutdownSignals;
+use crate::upstream::Upstream;
 
 /// How often the drain reports its progress in the log.
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
@@ -154,12 +155,23 @@ impl Bound {
             conns: conns.clone(),
             metrics: metrics.clone(),
             connect_timeout: config.connect_timeout,
+            http: config.http.clone(),
             limit: Arc::new(tokio::sync::Semaphore::new(max_connections)),
         });
         for (route, bound) in listeners {
             info!(direction = %route.direction, listen = %route.listen, target = %route.target, protocol = route.protocol.as_str(), "listening");
+            let upstream = Upstream::new(
+                route.target.clone(),
+                route.direction,
+                config.connect_timeout,
+                metrics.clone(),
+            );
+            let handle = Arc::new(RouteHandle {
+                route: route.clone(),
+                upstream,
+            });
             let tracker = &drain.side(route.direction).tracker;
-            tracker.spawn(listener::accept_loop(bound, route, shared.clone()));
+            tracker.spawn(listener::accept_loop(bound, handle, shared.clone()));
         }
         if signals.arrived() {
             info!("a shutdown signal arrived during start-up");

@@ -27,6 +27,17 @@ pub const DEFAULT_SHUTDOWN_GRACE_PERIOD: Duration = Duration::from_secs(120);
 pub const DEFAULT_LAME_DUCK_PERIOD: Duration = Duration::ZERO;
 /// How long a connection to a target may take.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long an `auto` route waits for a client's first bytes before forwarding it as TCP.
+pub const DEFAULT_DETECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long an HTTP client may take to send a request's headers (slowloris).
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// The largest request head (HTTP/1) or header list (HTTP/2) accepted, in bytes.
+pub const DEFAULT_MAX_HEADER_SIZE: usize = 64 * 1024;
+/// Bounds of `--http-max-header-size` (hyper needs at least 8 KiB of read buffer).
+pub const MIN_MAX_HEADER_SIZE: usize = 8 * 1024;
+pub const MAX_MAX_HEADER_SIZE: usize = 1024 * 1024;
+/// Streams one HTTP/2 client may have open at once.
+pub const DEFAULT_H2_MAX_CONCURRENT_STREAMS: u32 = 100;
 /// The log filter when neither `--log`, `LAMEDUCK_LOG` nor `RUST_LOG` is set.
 pub const DEFAULT_LOG_FILTER: &str = "info";
 /// The longest duration any setting accepts; anything longer is a typo, not a wish.
@@ -73,6 +84,32 @@ pub struct ProxyArgs {
     #[arg(long, value_name = "DURATION")]
     pub connect_timeout: Option<String>,
 
+    /// How long an auto route waits for a client's first bytes before forwarding the
+    /// connection as opaque TCP (server-speaks-first protocols) [env: LAMEDUCK_DETECT_TIMEOUT]
+    /// [default: 1s]
+    #[arg(long, value_name = "DURATION")]
+    pub detect_timeout: Option<String>,
+
+    /// How long an HTTP client may take to send a request's headers
+    /// [env: LAMEDUCK_HTTP_HEADER_READ_TIMEOUT] [default: 10s]
+    #[arg(long, value_name = "DURATION")]
+    pub http_header_read_timeout: Option<String>,
+
+    /// Largest HTTP request head (HTTP/1) or header list (HTTP/2), in bytes, KiB or MiB
+    /// [env: LAMEDUCK_HTTP_MAX_HEADER_SIZE] [default: 64KiB]
+    #[arg(long, value_name = "SIZE")]
+    pub http_max_header_size: Option<String>,
+
+    /// Streams one HTTP/2 client may have open at once
+    /// [env: LAMEDUCK_HTTP2_MAX_CONCURRENT_STREAMS] [default: 100]
+    #[arg(long, value_name = "N")]
+    pub http2_max_concurrent_streams: Option<String>,
+
+    /// How long the target may take to start its response before the client gets 504; 0s
+    /// for no limit [env: LAMEDUCK_HTTP_RESPONSE_TIMEOUT] [default: 0s]
+    #[arg(long, value_name = "DURATION")]
+    pub http_response_timeout: Option<String>,
+
     /// Log filter, RUST_LOG syntax [env: LAMEDUCK_LOG, else RUST_LOG] [default: info]
     #[arg(long, value_name = "FILTER")]
     pub log: Option<String>,
@@ -109,9 +146,10 @@ impl fmt::Display for Direction {
 /// What a route expects to carry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Protocol {
-    /// Detect HTTP/1, HTTP/2 prior knowledge, else opaque TCP. Until HTTP proxying lands,
-    /// every connection on an `auto` route is forwarded as opaque TCP.
+    /// Detect HTTP/1, HTTP/2 prior knowledge, else opaque TCP.
     Auto,
+    /// HTTP/1 or HTTP/2 prior knowledge; anything else gets an HTTP error.
+    Http,
     /// Opaque TCP, byte for byte.
     Tcp,
 }
@@ -120,6 +158,7 @@ impl Protocol {
     pub fn as_str(self) -> &'static str {
         match self {
             Protocol::Auto => "auto",
+            Protocol::Http => "http",
             Protocol::Tcp => "tcp",
         }
     }
@@ -176,8 +215,32 @@ pub struct Config {
     pub outbound_shutdown: OutboundShutdown,
     pub shutdown_endpoint: bool,
     pub connect_timeout: Duration,
+    pub http: HttpConfig,
     pub log_filter: String,
     pub log_format: LogFormat,
+}
+
+/// Limits and timeouts of HTTP connections.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HttpConfig {
+    pub detect_timeout: Duration,
+    pub header_read_timeout: Duration,
+    pub max_header_size: usize,
+    pub h2_max_concurrent_streams: u32,
+    /// `None`: no limit.
+    pub response_timeout: Option<Duration>,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            detect_timeout: DEFAULT_DETECT_TIMEOUT,
+            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            max_header_size: DEFAULT_MAX_HEADER_SIZE,
+            h2_max_concurrent_streams: DEFAULT_H2_MAX_CONCURRENT_STREAMS,
+            response_timeout: None,
+        }
+    }
 }
 
 /// A setting that could not be used: which one, the value as given, why, and a good example.
@@ -248,6 +311,31 @@ const CONNECT_TIMEOUT: Setting = Setting {
     flag: "--connect-timeout",
     var: "LAMEDUCK_CONNECT_TIMEOUT",
     example: "5s or 500ms",
+};
+const DETECT_TIMEOUT: Setting = Setting {
+    flag: "--detect-timeout",
+    var: "LAMEDUCK_DETECT_TIMEOUT",
+    example: "1s or 500ms",
+};
+const HEADER_READ_TIMEOUT: Setting = Setting {
+    flag: "--http-header-read-timeout",
+    var: "LAMEDUCK_HTTP_HEADER_READ_TIMEOUT",
+    example: "10s",
+};
+const MAX_HEADER_SIZE: Setting = Setting {
+    flag: "--http-max-header-size",
+    var: "LAMEDUCK_HTTP_MAX_HEADER_SIZE",
+    example: "64KiB, 16384 or 1MiB",
+};
+const H2_MAX_CONCURRENT_STREAMS: Setting = Setting {
+    flag: "--http2-max-concurrent-streams",
+    var: "LAMEDUCK_HTTP2_MAX_CONCURRENT_STREAMS",
+    example: "100",
+};
+const RESPONSE_TIMEOUT: Setting = Setting {
+    flag: "--http-response-timeout",
+    var: "LAMEDUCK_HTTP_RESPONSE_TIMEOUT",
+    example: "30s, or 0s for no limit",
 };
 const LOG: Setting = Setting {
     flag: "--log",
@@ -381,19 +469,53 @@ impl Config {
             Some(raw) => parse_bool(&raw, SHUTDOWN_ENDPOINT.example)?,
             None => false,
         };
-        let connect_timeout = match lookup(&CONNECT_TIMEOUT, args.connect_timeout)? {
+        let positive = |setting: &Setting, flag: Option<String>, default: Duration| match lookup(
+            setting, flag,
+        )? {
             Some(raw) => {
-                let timeout = parse_duration(&raw, CONNECT_TIMEOUT.example)?;
-                if timeout.is_zero() {
+                let duration = parse_duration(&raw, setting.example)?;
+                if duration.is_zero() {
+                    return Err(raw.error("must be longer than zero", setting.example));
+                }
+                Ok(duration)
+            }
+            None => Ok(default),
+        };
+        let connect_timeout = positive(
+            &CONNECT_TIMEOUT,
+            args.connect_timeout,
+            DEFAULT_CONNECT_TIMEOUT,
+        )?;
+        let mut http = HttpConfig {
+            detect_timeout: positive(&DETECT_TIMEOUT, args.detect_timeout, DEFAULT_DETECT_TIMEOUT)?,
+            header_read_timeout: positive(
+                &HEADER_READ_TIMEOUT,
+                args.http_header_read_timeout,
+                DEFAULT_HEADER_READ_TIMEOUT,
+            )?,
+            ..HttpConfig::default()
+        };
+        if let Some(raw) = lookup(&MAX_HEADER_SIZE, args.http_max_header_size)? {
+            http.max_header_size = parse_size(&raw, MAX_HEADER_SIZE.example)?;
+        }
+        if let Some(raw) = lookup(
+            &H2_MAX_CONCURRENT_STREAMS,
+            args.http2_max_concurrent_streams,
+        )? {
+            http.h2_max_concurrent_streams = match raw.value.trim().parse::<u32>() {
+                Ok(n) if (1..=10_000).contains(&n) => n,
+                _ => {
                     return Err(raw.error(
-                        "the connect timeout must be longer than zero",
-                        CONNECT_TIMEOUT.example,
+                        "expected a whole number from 1 to 10000",
+                        H2_MAX_CONCURRENT_STREAMS.example,
                     ));
                 }
-                timeout
-            }
-            None => DEFAULT_CONNECT_TIMEOUT,
-        };
+            };
+        }
+        if let Some(raw) = lookup(&RESPONSE_TIMEOUT, args.http_response_timeout)? {
+            let timeout = parse_duration(&raw, RESPONSE_TIMEOUT.example)?;
+            http.response_timeout = (!timeout.is_zero()).then_some(timeout);
+        }
         let log_filter = match lookup(&LOG, args.log)? {
             Some(raw) => Some(raw),
             None => env_value(&env, "RUST_LOG", LOG.example)?,
@@ -424,6 +546,7 @@ impl Config {
             outbound_shutdown,
             shutdown_endpoint,
             connect_timeout,
+            http,
             log_filter,
             log_format,
         })
@@ -482,12 +605,7 @@ fn parse_route(
     let protocol = match protocol {
         None | Some("auto") => Protocol::Auto,
         Some("tcp") => Protocol::Tcp,
-        Some("http") => {
-            return Err(raw.error(
-                "the /http protocol is not supported by this version yet; use /tcp or /auto",
-                example,
-            ));
-        }
+        Some("http") => Protocol::Http,
         Some(other) => {
             return Err(raw.error(
                 format!("unknown protocol {other:?}, expected auto, http or tcp"),
@@ -573,6 +691,30 @@ fn parse_duration(raw: &Raw, example: &'static str) -> Result<Duration, ConfigEr
         ));
     }
     Ok(duration)
+}
+
+/// A size in bytes: `16384`, `64KiB`, `1MiB`, within the header-size bounds.
+fn parse_size(raw: &Raw, example: &'static str) -> Result<usize, ConfigError> {
+    let value = raw.value.trim();
+    let (number, unit) = match value.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => value.split_at(at),
+        None => (value, ""),
+    };
+    let multiplier = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" | "K" | "k" | "KB" => 1024,
+        "MiB" | "M" | "MB" => 1024 * 1024,
+        _ => return Err(raw.error("expected bytes, KiB or MiB", example)),
+    };
+    let size = number
+        .parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(multiplier))
+        .ok_or_else(|| raw.error("expected a whole number of bytes, KiB or MiB", example))?;
+    if !(MIN_MAX_HEADER_SIZE..=MAX_MAX_HEADER_SIZE).contains(&size) {
+        return Err(raw.error("must be from 8KiB to 1MiB", example));
+    }
+    Ok(size)
 }
 
 fn parse_bool(raw: &Raw, example: &'static str) -> Result<bool, ConfigError> {
@@ -719,17 +861,47 @@ mod tests {
     }
 
     #[test]
-    fn http_routes_are_refused_until_http_proxying_exists() {
-        let error = config(
+    fn http_settings_parse_and_check_their_bounds() {
+        let config = config(
             ProxyArgs {
                 inbound: vec!["127.0.0.1:1=127.0.0.1:2/http".into()],
+                http_max_header_size: Some("16KiB".into()),
+                http_response_timeout: Some("30s".into()),
+                ..Default::default()
+            },
+            &[("LAMEDUCK_HTTP2_MAX_CONCURRENT_STREAMS", "50")],
+        )
+        .unwrap();
+        assert_eq!(config.routes[0].protocol, Protocol::Http);
+        assert_eq!(config.http.max_header_size, 16 * 1024);
+        assert_eq!(config.http.h2_max_concurrent_streams, 50);
+        assert_eq!(config.http.response_timeout, Some(Duration::from_secs(30)));
+        assert_eq!(config.http.detect_timeout, DEFAULT_DETECT_TIMEOUT);
+        for (size, ok) in [
+            ("8192", true),
+            ("1MiB", true),
+            ("4KiB", false),
+            ("2MiB", false),
+            ("lots", false),
+        ] {
+            let result = super::tests::config(
+                ProxyArgs {
+                    http_max_header_size: Some(size.into()),
+                    ..Default::default()
+                },
+                &[],
+            );
+            assert_eq!(result.is_ok(), ok, "{size}");
+        }
+        let error = super::tests::config(
+            ProxyArgs {
+                http_header_read_timeout: Some("0s".into()),
                 ..Default::default()
             },
             &[],
         )
         .unwrap_err();
-        assert_eq!(error.setting, "--inbound");
-        assert!(error.reason.contains("/http"), "{error}");
+        assert_eq!(error.setting, "--http-header-read-timeout");
     }
 
     #[test]

@@ -93,6 +93,9 @@ pub struct Side {
 pub struct ConnTokens {
     /// Cancelled when the connection should ask its peer to go away.
     pub go_away: CancellationToken,
+    /// Cancelled when the side's listeners close: idle HTTP/1 connections and clients that
+    /// have not sent a byte are closed then.
+    pub draining: CancellationToken,
     /// Cancelled when the connection must be reset now (grace period over, or "stop now").
     pub terminate: CancellationToken,
 }
@@ -189,6 +192,7 @@ impl Drain {
     pub fn conn_tokens(&self, direction: Direction) -> ConnTokens {
         ConnTokens {
             go_away: self.side(direction).go_away.child_token(),
+            draining: self.side(direction).close_listeners.child_token(),
             terminate: self.terminate.child_token(),
         }
     }

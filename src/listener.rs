@@ -19,11 +19,15 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{Instrument, debug, info, warn};
 
-use crate::config::Route;
-use crate::conns::{ConnProtocol, Connections};
+use crate::config::{HttpConfig, Protocol, Route};
+use crate::conns::{ConnProtocol, Connections, Registration};
+use crate::detect::{self, Detected};
+use crate::drain::ConnTokens;
 use crate::drain::Drain;
+use crate::http::{self, HttpVersion};
 use crate::metrics::Metrics;
 use crate::tcp;
+use crate::upstream::Upstream;
 
 /// Queue length for connections whose handshake is done but which are not yet accepted.
 const LISTEN_BACKLOG: i32 = 1024;
@@ -43,6 +47,13 @@ pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     TcpListener::from_std(socket.into())
 }
 
+/// A route and what serving it needs.
+pub struct RouteHandle {
+    pub route: Arc<Route>,
+    /// Pooled clients towards the target, for HTTP.
+    pub upstream: Upstream,
+}
+
 /// Everything a connection task needs, shared by all connections of the process.
 #[derive(Debug)]
 pub struct Shared {
@@ -50,18 +61,20 @@ pub struct Shared {
     pub conns: Arc<Connections>,
     pub metrics: Arc<Metrics>,
     pub connect_timeout: Duration,
+    pub http: HttpConfig,
     /// One permit per open proxy connection, sized from the file-descriptor limit; the accept
     /// loops take a permit before accepting, and each connection task drops its own.
     pub limit: Arc<Semaphore>,
 }
 
 /// Accepts connections for `route` until its side's listeners close.
-pub async fn accept_loop(listener: TcpListener, route: Arc<Route>, shared: Arc<Shared>) {
+pub async fn accept_loop(listener: TcpListener, handle: Arc<RouteHandle>, shared: Arc<Shared>) {
+    let route = &handle.route;
     let side = shared.drain.side(route.direction);
     let mut errors = AcceptErrors::default();
     let mut at_limit_logged: Option<Instant> = None;
     loop {
-        let Some(permit) = room_for_one_more(&shared, &route, &mut at_limit_logged).await else {
+        let Some(permit) = room_for_one_more(&shared, route, &mut at_limit_logged).await else {
             break;
         };
         let accepted = tokio::select! {
@@ -76,7 +89,7 @@ pub async fn accept_loop(listener: TcpListener, route: Arc<Route>, shared: Arc<S
         match accepted {
             Ok((stream, peer)) => {
                 errors.succeeded();
-                spawn_connection(stream, peer, &route, &shared, Some(permit));
+                spawn_connection(stream, peer, &handle, &shared, Some(permit));
             }
             Err(error) => {
                 shared.metrics.accept_failed(route.direction);
@@ -89,7 +102,7 @@ pub async fn accept_loop(listener: TcpListener, route: Arc<Route>, shared: Arc<S
             }
         }
     }
-    accept_queued(listener, &route, &shared);
+    accept_queued(listener, &handle, &shared);
     info!(direction = %route.direction, listen = %route.listen, "listener closed");
 }
 
@@ -121,7 +134,8 @@ async fn room_for_one_more(
 }
 
 /// Accepts every connection already in the kernel's queue, then closes the listener.
-fn accept_queued(listener: TcpListener, route: &Arc<Route>, shared: &Arc<Shared>) {
+fn accept_queued(listener: TcpListener, handle: &Arc<RouteHandle>, shared: &Arc<Shared>) {
+    let route = &handle.route;
     let listener = match listener.into_std() {
         Ok(listener) => listener,
         Err(error) => {
@@ -141,7 +155,7 @@ fn accept_queued(listener: TcpListener, route: &Arc<Route>, shared: &Arc<Shared>
                         queued += 1;
                         // Over the limit if need be: these clients were already accepted by the kernel.
                         let permit = shared.limit.clone().try_acquire_owned().ok();
-                        spawn_connection(stream, peer, route, shared, permit);
+                        spawn_connection(stream, peer, handle, shared, permit);
                     }
                     Err(error) => debug!(%error, %peer, "could not register a queued connection"),
                 }
@@ -163,26 +177,65 @@ fn accept_queued(listener: TcpListener, route: &Arc<Route>, shared: &Arc<Shared>
 fn spawn_connection(
     stream: TcpStream,
     peer: SocketAddr,
-    route: &Arc<Route>,
+    handle: &Arc<RouteHandle>,
     shared: &Arc<Shared>,
     permit: Option<OwnedSemaphorePermit>,
 ) {
-    let registration = shared
-        .conns
-        .register(route.clone(), peer, ConnProtocol::Tcp);
-    shared
-        .metrics
-        .connection_opened(route.direction, ConnProtocol::Tcp);
+    let route = &handle.route;
+    let protocol = match route.protocol {
+        Protocol::Tcp => ConnProtocol::Tcp,
+        Protocol::Auto | Protocol::Http => ConnProtocol::Detecting,
+    };
+    let registration = shared.conns.register(route.clone(), peer, protocol);
     let tokens = shared.drain.conn_tokens(route.direction);
     let span = tracing::debug_span!("conn", id = registration.conn().id, direction = %route.direction, %peer, target = %route.target);
+    let handle = handle.clone();
     let shared = shared.clone();
     shared.drain.side(route.direction).tracker.clone().spawn(
         async move {
-            tcp::forward(stream, registration, tokens, &shared).await;
+            serve(stream, registration, tokens, handle, shared).await;
             drop(permit);
         }
         .instrument(span),
     );
+}
+
+/// Serves one connection by its route's protocol, detecting it on `auto` and `http` routes.
+async fn serve(
+    stream: TcpStream,
+    registration: Registration,
+    tokens: ConnTokens,
+    handle: Arc<RouteHandle>,
+    shared: Arc<Shared>,
+) {
+    let protocol = handle.route.protocol;
+    if protocol == Protocol::Tcp {
+        return tcp::forward(stream, registration, tokens, &shared).await;
+    }
+    // An `http` route waits for the first bytes only as long as for a request's headers.
+    let wait = match protocol {
+        Protocol::Http => shared.http.header_read_timeout,
+        _ => shared.http.detect_timeout,
+    };
+    let detected = tokio::select! {
+        // The grace period ran out while the client was silent.
+        _ = tokens.terminate.cancelled() => Detected::Closed,
+        detected = detect::detect(&stream, wait, &tokens.draining) => detected,
+    };
+    let version = match (detected, protocol) {
+        (Detected::Http1, _) => HttpVersion::Http1,
+        (Detected::Http2, _) => HttpVersion::Http2,
+        (Detected::Tcp, Protocol::Auto) => {
+            return tcp::forward(stream, registration, tokens, &shared).await;
+        }
+        // Not HTTP on an `http` route: let the HTTP/1 server answer 400.
+        (Detected::Tcp, _) if !tokens.draining.is_cancelled() => HttpVersion::Http1,
+        _ => {
+            debug!(?detected, "closing a connection that sent nothing");
+            return;
+        }
+    };
+    http::serve(stream, version, registration, tokens, handle, shared).await;
 }
 
 /// File descriptors kept for everything that is not a proxy connection: the runtime, the

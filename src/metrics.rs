@@ -13,6 +13,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::config::Direction;
@@ -20,6 +21,13 @@ use crate::conns::{ConnProtocol, Connections};
 use crate::drain::{Drain, Phase};
 
 type Labels = [(&'static str, &'static str); 2];
+
+const DIRECTIONS: [Direction; 2] = [Direction::Inbound, Direction::Outbound];
+const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
+/// Request duration buckets, in seconds: 1 ms to 30 s.
+const DURATION_BUCKETS: [f64; 14] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
 type DirectionLabel = [(&'static str, &'static str); 1];
 
 /// Why connecting to a target failed.
@@ -49,6 +57,9 @@ pub struct Metrics {
     connect_failures: Family<Labels, Counter>,
     accept_errors: Family<DirectionLabel, Counter>,
     force_closed: Counter,
+    /// `[direction][status class 1xx..5xx]`, resolved once so a request only adds to a counter.
+    requests: [[Counter; 5]; 2],
+    request_durations: [Histogram; 2],
 }
 
 impl Metrics {
@@ -78,6 +89,32 @@ impl Metrics {
             "Connections reset because the grace period ran out or a second signal arrived",
             force_closed.clone(),
         );
+        let request_family = Family::<Labels, Counter>::default();
+        registry.register(
+            "requests",
+            "HTTP requests answered, by direction and status class",
+            request_family.clone(),
+        );
+        let requests = DIRECTIONS.map(|direction| {
+            STATUS_CLASSES.map(|class| {
+                request_family
+                    .get_or_create(&[("direction", direction.as_str()), ("status_class", class)])
+                    .clone()
+            })
+        });
+        let duration_family = Family::<DirectionLabel, Histogram>::new_with_constructor(
+            (|| Histogram::new(DURATION_BUCKETS.iter().copied())) as fn() -> Histogram,
+        );
+        registry.register(
+            "request_duration_seconds",
+            "Time from an HTTP request's head to the end of its response body, by direction",
+            duration_family.clone(),
+        );
+        let request_durations = DIRECTIONS.map(|direction| {
+            duration_family
+                .get_or_create(&[("direction", direction.as_str())])
+                .clone()
+        });
         registry.register_collector(Box::new(StateCollector { conns, drain }));
         Metrics {
             registry,
@@ -85,6 +122,8 @@ impl Metrics {
             connect_failures,
             accept_errors,
             force_closed,
+            requests,
+            request_durations,
         }
     }
 
@@ -112,6 +151,17 @@ impl Metrics {
             .inc();
     }
 
+    /// An HTTP response started with `status`.
+    pub fn request_finished(&self, direction: Direction, status: u16) {
+        let class = usize::from(status / 100).clamp(1, 5) - 1;
+        self.requests[direction as usize][class].inc();
+    }
+
+    /// The duration histogram of `direction`, for one request to observe when it ends.
+    pub fn request_duration(&self, direction: Direction) -> Histogram {
+        self.request_durations[direction as usize].clone()
+    }
+
     pub fn force_closed(&self, count: u64) {
         self.force_closed.inc_by(count);
     }
@@ -133,8 +183,6 @@ struct StateCollector {
 
 impl Collector for StateCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), fmt::Error> {
-        const DIRECTIONS: [Direction; 2] = [Direction::Inbound, Direction::Outbound];
-
         let mut open = [[0i64; ConnProtocol::ALL.len()]; 2];
         for conn in self.conns.snapshot() {
             open[conn.direction() as usize][conn.protocol() as usize] += 1;
@@ -154,6 +202,24 @@ impl Collector for StateCollector {
                 ConstGauge::new(open[direction as usize][protocol as usize])
                     .encode(family.encode_family(&labels)?)?;
             }
+        }
+
+        let mut in_flight = [0i64; 2];
+        for conn in self.conns.snapshot() {
+            in_flight[conn.direction() as usize] += i64::from(
+                conn.requests_in_flight
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            );
+        }
+        let mut family = encoder.encode_descriptor(
+            "requests_in_flight",
+            "HTTP requests whose response has not ended yet, by direction",
+            None,
+            ConstGauge::new(0i64).metric_type(),
+        )?;
+        for direction in DIRECTIONS {
+            ConstGauge::new(in_flight[direction as usize])
+                .encode(family.encode_family(&[("direction", direction.as_str())])?)?;
         }
 
         let totals = DIRECTIONS.map(|direction| self.conns.byte_totals(direction));

@@ -16,10 +16,11 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::config::Target;
-use crate::conns::{ConnState, Connection, Registration};
+use crate::conns::{ConnProtocol, ConnState, Connection, Registration};
 use crate::drain::ConnTokens;
 use crate::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, Shared, is_resource_exhaustion};
 use crate::metrics::ConnectFailure;
@@ -32,6 +33,10 @@ pub async fn forward(
     shared: &Shared,
 ) {
     let conn = registration.conn();
+    conn.set_protocol(ConnProtocol::Tcp);
+    shared
+        .metrics
+        .connection_opened(conn.direction(), ConnProtocol::Tcp);
     let _ = client.set_nodelay(true);
     let target = tokio::select! {
         // The grace period ran out (or a second signal) while connecting.
@@ -57,6 +62,17 @@ pub async fn forward(
     conn.set_state(ConnState::Open);
     debug!("forwarding");
 
+    pipe(client, target, conn, &tokens.terminate).await;
+}
+
+/// Copies between a client and a target until both finish, one fails (both are reset), or
+/// `terminate` is cancelled (both are reset). Used for TCP routes and for HTTP tunnels.
+pub async fn pipe(
+    client: TcpStream,
+    target: TcpStream,
+    conn: &Arc<Connection>,
+    terminate: &CancellationToken,
+) {
     let mut client = Counted {
         stream: client,
         conn: conn.clone(),
@@ -69,7 +85,7 @@ pub async fn forward(
     };
     let outcome = tokio::select! {
         // The grace period ran out, or a second signal asked to stop now.
-        _ = tokens.terminate.cancelled() => Err(io::Error::other("terminated by the shutdown")),
+        _ = terminate.cancelled() => Err(io::Error::other("terminated by the shutdown")),
         // Both directions finished, or one of them failed.
         copied = tokio::io::copy_bidirectional(&mut client, &mut target) => copied.map(|_| ()),
     };
@@ -90,7 +106,7 @@ pub async fn forward(
 /// Connects to `target`, resolving a host name now, within `timeout`. When the process is out
 /// of file descriptors or memory, connecting is retried with back-off until the timeout: the
 /// client keeps its place instead of being reset for the proxy's own shortage.
-async fn connect(
+pub(crate) async fn connect(
     target: &Target,
     timeout: Duration,
 ) -> Result<TcpStream, (ConnectFailure, io::Error)> {

@@ -76,10 +76,10 @@ fn bad_routes_and_addresses_exit_2() {
         "0.0.0.0:4143",
     );
     assert_rejected(
-        &["--inbound", "0.0.0.0:4143=127.0.0.1:8080/http"],
+        &["--inbound", "127.0.0.1:0=127.0.0.1:8080/grpc"],
         &[],
         "--inbound",
-        "/http",
+        "/grpc",
     );
     assert_rejected(
         &["--outbound", "127.0.0.1:4140=:80"],

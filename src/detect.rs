@@ -1,0 +1,141 @@
+//! Protocol detection: peek at a client's first bytes, without consuming them, and tell
+//! HTTP/1 (a known method and a space), HTTP/2 prior knowledge (the connection preface) and
+//! anything else (TLS, Postgres, Redis, random bytes) apart.
+//!
+//! A client that sends nothing is waited for until the detection timeout (then it is opaque
+//! TCP on an `auto` route: server-speaks-first protocols) or until its side's listeners close
+//! (then it is closed: CONTRACT section 3 step 4).
+
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+
+/// The HTTP/2 connection preface (RFC 9113 section 3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// Request-line starts that mean HTTP/1.
+const METHODS: &[&[u8]] = &[
+    b"GET ",
+    b"HEAD ",
+    b"POST ",
+    b"PUT ",
+    b"DELETE ",
+    b"CONNECT ",
+    b"OPTIONS ",
+    b"TRACE ",
+    b"PATCH ",
+];
+/// Enough bytes to decide: the preface is the longest pattern.
+const PEEK_LEN: usize = 24;
+/// Pause between peeks when bytes are there but not enough to decide (peek does not consume,
+/// so readiness stays set and an immediate retry would spin).
+const PEEK_RETRY: Duration = Duration::from_millis(5);
+
+/// What a connection turned out to carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Detected {
+    Http1,
+    Http2,
+    /// Not HTTP, or nothing sent within the detection timeout.
+    Tcp,
+    /// The client closed before sending anything, or the drain closed a silent connection.
+    Closed,
+}
+
+/// Decides from the bytes seen so far; `None` while they could still start either protocol.
+pub fn classify(bytes: &[u8]) -> Option<Detected> {
+    if bytes.is_empty() {
+        return None;
+    }
+    if bytes.starts_with(H2_PREFACE) {
+        return Some(Detected::Http2);
+    }
+    if METHODS.iter().any(|method| bytes.starts_with(method)) {
+        return Some(Detected::Http1);
+    }
+    let could_be = |pattern: &[u8]| pattern.starts_with(bytes);
+    if could_be(H2_PREFACE) || METHODS.iter().any(|method| could_be(method)) {
+        None
+    } else {
+        Some(Detected::Tcp)
+    }
+}
+
+/// Waits for enough bytes to classify the connection.
+///
+/// `timeout` is when to give up waiting: `Detected::Tcp` then. `draining` is cancelled when
+/// the side's listeners close: a client that has sent nothing by then is closed.
+pub async fn detect(
+    stream: &TcpStream,
+    timeout: Duration,
+    draining: &CancellationToken,
+) -> Detected {
+    let mut buf = [0u8; PEEK_LEN];
+    let mut seen = 0;
+    let deadline = tokio::time::sleep(timeout);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            // The listeners closed while this client had not said a word.
+            _ = draining.cancelled(), if seen == 0 => return Detected::Closed,
+            // The client took too long: a server-speaks-first protocol, or a slow one.
+            _ = &mut deadline => return Detected::Tcp,
+            // The client sent something (or closed).
+            peeked = stream.peek(&mut buf) => {
+                let n = match peeked {
+                    Ok(0) | Err(_) => return Detected::Closed,
+                    Ok(n) => n,
+                };
+                if let Some(detected) = classify(&buf[..n]) {
+                    return detected;
+                }
+                if n == seen {
+                    // Nothing new (possibly a FIN after a partial token): wait a little.
+                    tokio::time::sleep(PEEK_RETRY).await;
+                }
+                seen = n;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn http_and_other_protocols_are_told_apart() {
+        assert_eq!(classify(b"GET / HTTP/1.1\r\n"), Some(Detected::Http1));
+        assert_eq!(classify(b"OPTIONS * HTTP/1.1"), Some(Detected::Http1));
+        assert_eq!(classify(H2_PREFACE), Some(Detected::Http2));
+        // A TLS ClientHello, a Postgres startup packet, Redis, random bytes.
+        assert_eq!(
+            classify(&[0x16, 0x03, 0x01, 0x02, 0x00]),
+            Some(Detected::Tcp)
+        );
+        assert_eq!(classify(&[0, 0, 0, 8, 4, 210, 22, 47]), Some(Detected::Tcp));
+        assert_eq!(classify(b"*1\r\n$4\r\nPING\r\n"), Some(Detected::Tcp));
+        assert_eq!(classify(b"GETX"), Some(Detected::Tcp));
+        assert_eq!(classify(b"get / HTTP/1.1"), Some(Detected::Tcp));
+    }
+
+    #[test]
+    fn prefixes_wait_for_more() {
+        for partial in [
+            &b"G"[..],
+            b"GE",
+            b"GET",
+            b"P",
+            b"PR",
+            b"PRI * HTTP/2.0\r\n",
+            b"CONNEC",
+        ] {
+            assert_eq!(
+                classify(partial),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(partial)
+            );
+        }
+    }
+}

@@ -1,0 +1,398 @@
+//! The HTTP proxy service: one request from a client, forwarded to the route's target.
+//!
+//! It strips hop-by-hop headers both ways, keeps the client's HTTP version towards the target,
+//! streams bodies and trailers without buffering, turns WebSocket upgrades and CONNECT into
+//! tracked tunnels, answers 502/504 when the target cannot be reached in time (short bodies
+//! naming the target), and during a drain asks HTTP/1 clients and targets to close
+//! (`connection: close`). A target that fails mid-response makes the client's response fail
+//! too (hyper aborts the HTTP/1 connection or resets the HTTP/2 stream): never a response that
+//! looks complete.
+
+use std::convert::Infallible;
+use std::error::Error as _;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::header::{
+    CONNECTION, CONTENT_TYPE, HOST, HeaderMap, HeaderName, HeaderValue, TE, UPGRADE,
+};
+use hyper::upgrade::OnUpgrade;
+use hyper::{Method, Request, Response, StatusCode, Uri, Version};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tracing::{Instrument, debug};
+
+use crate::conns::{ConnProtocol, Connection};
+use crate::http::{ConnCtx, HttpVersion, ServerIo};
+use crate::tcp;
+
+/// Headers that concern one hop only (RFC 9110 section 7.6.1), besides those `Connection` names.
+const HOP_BY_HOP: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "transfer-encoding",
+    "upgrade",
+    "http2-settings",
+];
+
+/// Forwards one request.
+pub async fn handle(
+    ctx: Arc<ConnCtx>,
+    mut request: Request<Incoming>,
+) -> Result<Response<ProxyBody>, Infallible> {
+    ctx.request_started();
+    let in_flight = InFlight::start(&ctx);
+    let version = request.version();
+    let upgrading = ctx.version == HttpVersion::Http1 && wants_upgrade(&request);
+    let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut request));
+    strip_hop_by_hop(request.headers_mut(), upgrading);
+    if ctx.closing() && !upgrading && request.version() != Version::HTTP_2 {
+        // The pooled connection to the target closes once this request is done.
+        request
+            .headers_mut()
+            .insert(CONNECTION, HeaderValue::from_static("close"));
+    }
+    let target = ctx.handle.route.target.to_string();
+    if let Err(()) = absolute_uri(&mut request, &target) {
+        return Ok(error_response(
+            &ctx,
+            StatusCode::BAD_REQUEST,
+            "bad request: invalid Host\n".into(),
+            in_flight,
+        ));
+    }
+
+    let client = match ctx.version {
+        HttpVersion::Http1 => &ctx.handle.upstream.http1,
+        HttpVersion::Http2 => &ctx.handle.upstream.http2,
+    };
+    let sent = client.request(request);
+    let result = match ctx.shared.http.response_timeout {
+        Some(limit) => match tokio::time::timeout(limit, sent).await {
+            Ok(result) => result,
+            Err(_) => {
+                let body = format!("gateway timeout: {target} did not respond in time\n");
+                return Ok(error_response(
+                    &ctx,
+                    StatusCode::GATEWAY_TIMEOUT,
+                    body,
+                    in_flight,
+                ));
+            }
+        },
+        None => sent.await,
+    };
+    let mut response = match result {
+        Ok(response) => response,
+        Err(error) => {
+            let (status, body) = if error.is_connect() && is_timeout(&error) {
+                (
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format!("gateway timeout: cannot connect to {target}\n"),
+                )
+            } else if error.is_connect() {
+                (
+                    StatusCode::BAD_GATEWAY,
+                    format!("bad gateway: cannot connect to {target}\n"),
+                )
+            } else {
+                (
+                    StatusCode::BAD_GATEWAY,
+                    format!("bad gateway: {target} failed to respond\n"),
+                )
+            };
+            debug!(error = %error, source = ?error.source(), %status, "forwarding failed");
+            return Ok(error_response(&ctx, status, body, in_flight));
+        }
+    };
+
+    let upgraded = match client_upgrade {
+        Some(client_upgrade)
+            if response.status() == StatusCode::SWITCHING_PROTOCOLS
+                || is_connect_success(&response) =>
+        {
+            let target_upgrade = hyper::upgrade::on(&mut response);
+            spawn_tunnel(&ctx, client_upgrade, target_upgrade);
+            true
+        }
+        _ => false,
+    };
+    strip_hop_by_hop(response.headers_mut(), upgraded);
+    // The client hears its own HTTP version, whatever the target spoke.
+    *response.version_mut() = version;
+    if ctx.closing() && !upgraded && ctx.version == HttpVersion::Http1 {
+        response
+            .headers_mut()
+            .insert(CONNECTION, HeaderValue::from_static("close"));
+    }
+    in_flight.record_status(&ctx, response.status());
+    Ok(response.map(|body| ProxyBody {
+        kind: Kind::Target(body),
+        _in_flight: Some(in_flight),
+    }))
+}
+
+/// WebSocket-style upgrades (`Connection: upgrade` with `Upgrade`) and CONNECT.
+fn wants_upgrade(request: &Request<Incoming>) -> bool {
+    if request.method() == Method::CONNECT {
+        return true;
+    }
+    request.headers().contains_key(UPGRADE)
+        && request
+            .headers()
+            .get_all(CONNECTION)
+            .iter()
+            .any(|value| tokens(value).any(|token| token.eq_ignore_ascii_case("upgrade")))
+}
+
+fn is_connect_success(response: &Response<Incoming>) -> bool {
+    response.status().is_success()
+        && response
+            .extensions()
+            .get::<hyper::upgrade::OnUpgrade>()
+            .is_some()
+}
+
+fn tokens(value: &HeaderValue) -> impl Iterator<Item = &str> {
+    value
+        .to_str()
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|token| !token.is_empty())
+}
+
+/// Removes hop-by-hop headers: `Connection` and every header it names, and the fixed list.
+/// When `upgrading`, `Upgrade` and `Connection: upgrade` stay so the target sees the handshake.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
+    let named: Vec<HeaderName> = headers
+        .get_all(CONNECTION)
+        .iter()
+        .flat_map(tokens)
+        .filter_map(|token| HeaderName::from_bytes(token.as_bytes()).ok())
+        .collect();
+    let upgrade = upgrading.then(|| headers.get(UPGRADE).cloned()).flatten();
+    let trailers = headers
+        .get_all(TE)
+        .iter()
+        .any(|value| tokens(value).any(|t| t.eq_ignore_ascii_case("trailers")));
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+    if trailers {
+        headers.insert(TE, HeaderValue::from_static("trailers"));
+    }
+    if let Some(upgrade) = upgrade {
+        headers.insert(UPGRADE, upgrade);
+        headers.insert(CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+}
+
+/// Gives the request the absolute URI the pooled client needs: the client's `Host` (or
+/// `:authority`) as authority, falling back to the target. CONNECT keeps its authority form.
+fn absolute_uri(request: &mut Request<Incoming>, target: &str) -> Result<(), ()> {
+    let uri = request.uri();
+    if request.method() == Method::CONNECT || (uri.scheme().is_some() && uri.authority().is_some())
+    {
+        return Ok(());
+    }
+    let authority = match (uri.authority(), request.headers().get(HOST)) {
+        (Some(authority), _) => authority.as_str().to_string(),
+        (None, Some(host)) => host.to_str().map_err(|_| ())?.to_string(),
+        (None, None) => target.to_string(),
+    };
+    let path = uri.path_and_query().map_or("/", |path| path.as_str());
+    *request.uri_mut() = Uri::builder()
+        .scheme("http")
+        .authority(authority)
+        .path_and_query(path)
+        .build()
+        .map_err(|_| ())?;
+    Ok(())
+}
+
+fn is_timeout(error: &hyper_util::client::legacy::Error) -> bool {
+    let mut source = error.source();
+    while let Some(cause) = source {
+        if cause
+            .downcast_ref::<io::Error>()
+            .is_some_and(|io| io.kind() == io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
+}
+
+fn error_response(
+    ctx: &ConnCtx,
+    status: StatusCode,
+    body: String,
+    in_flight: InFlight,
+) -> Response<ProxyBody> {
+    let mut response = Response::new(ProxyBody {
+        kind: Kind::Full(Some(Bytes::from(body))),
+        _in_flight: None,
+    });
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    if ctx.closing() && ctx.version == HttpVersion::Http1 {
+        response
+            .headers_mut()
+            .insert(CONNECTION, HeaderValue::from_static("close"));
+    }
+    in_flight.record_status(ctx, status);
+    response.body_mut()._in_flight = Some(in_flight);
+    response
+}
+
+/// Joins the client's and the target's upgraded connections as a tunnel, tracked by the
+/// drain like a TCP connection: untouched by `go_away`, reset by `terminate`.
+fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade) {
+    let registration = ctx.registration.clone();
+    let terminate = ctx.terminate.clone();
+    let tracker = ctx
+        .shared
+        .drain
+        .side(ctx.conn().direction())
+        .tracker
+        .clone();
+    let tunnel = async move {
+        let (client, target) = match tokio::try_join!(client, target) {
+            Ok(pair) => pair,
+            Err(error) => {
+                debug!(%error, "upgrade failed");
+                return;
+            }
+        };
+        let conn = registration.conn();
+        conn.set_protocol(ConnProtocol::Tunnel);
+        match (
+            client.downcast::<TokioIo<ServerIo>>(),
+            target.downcast::<TokioIo<TcpStream>>(),
+        ) {
+            (Ok(client), Ok(target)) => {
+                let Some(client_stream) = client.io.into_inner().into_stream() else {
+                    return;
+                };
+                let target_stream = target.io.into_inner();
+                // Bytes read past the handshake on either side go first.
+                if write_all(&target_stream, &client.read_buf).await.is_err()
+                    || write_all(&client_stream, &target.read_buf).await.is_err()
+                {
+                    return;
+                }
+                conn.bytes_from_peer
+                    .fetch_add(client.read_buf.len() as u64, Ordering::Relaxed);
+                conn.bytes_to_peer
+                    .fetch_add(target.read_buf.len() as u64, Ordering::Relaxed);
+                tcp::pipe(client_stream, target_stream, conn, &terminate).await;
+            }
+            _ => debug!("upgraded connections of unexpected types; closing the tunnel"),
+        }
+        drop(registration);
+    };
+    tracker.spawn(tunnel.in_current_span());
+}
+
+async fn write_all(stream: &TcpStream, bytes: &[u8]) -> io::Result<()> {
+    let mut written = 0;
+    while written < bytes.len() {
+        stream.writable().await?;
+        match stream.try_write(&bytes[written..]) {
+            Ok(n) => written += n,
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(())
+}
+
+/// Counts a request as in flight from its head to the end of its response body.
+pub struct InFlight {
+    conn: Arc<Connection>,
+    started: Instant,
+    duration: prometheus_client::metrics::histogram::Histogram,
+}
+
+impl InFlight {
+    fn start(ctx: &ConnCtx) -> InFlight {
+        let conn = ctx.conn().clone();
+        conn.requests_in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight {
+            duration: ctx.shared.metrics.request_duration(conn.direction()),
+            conn,
+            started: Instant::now(),
+        }
+    }
+
+    fn record_status(&self, ctx: &ConnCtx, status: StatusCode) {
+        ctx.shared
+            .metrics
+            .request_finished(self.conn.direction(), status.as_u16());
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.conn.requests_in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.duration.observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
+/// A response body: the target's, streamed, or a short one of the proxy's own.
+pub struct ProxyBody {
+    kind: Kind,
+    _in_flight: Option<InFlight>,
+}
+
+enum Kind {
+    Target(Incoming),
+    Full(Option<Bytes>),
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match &mut self.get_mut().kind {
+            Kind::Target(body) => Pin::new(body).poll_frame(cx),
+            Kind::Full(bytes) => Poll::Ready(bytes.take().map(|bytes| Ok(Frame::data(bytes)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Kind::Target(body) => body.is_end_stream(),
+            Kind::Full(bytes) => bytes.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            Kind::Target(body) => body.size_hint(),
+            Kind::Full(bytes) => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |bytes| bytes.len() as u64))
+            }
+        }
+    }
+}
