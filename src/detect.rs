@@ -36,8 +36,10 @@ const PEEK_RETRY: Duration = Duration::from_millis(5);
 pub enum Detected {
     Http1,
     Http2,
-    /// Not HTTP, or nothing sent within the detection timeout.
+    /// Not HTTP.
     Tcp,
+    /// Not enough bytes to decide within the timeout (server-speaks-first, or a slow client).
+    Silent,
     /// The client closed before sending anything, or the drain closed a silent connection.
     Closed,
 }
@@ -61,15 +63,29 @@ pub fn classify(bytes: &[u8]) -> Option<Detected> {
     }
 }
 
-/// Waits for enough bytes to classify the connection.
+/// On an `http` route only HTTP/1 and HTTP/2 are told apart, from the first bytes: anything
+/// that does not start the HTTP/2 preface is HTTP/1 (hyper answers 400 to garbage), so that
+/// the header read timeout counts from the first byte.
+pub fn classify_http(bytes: &[u8]) -> Option<Detected> {
+    match bytes {
+        [] | [b'P'] => None,
+        [b'P', b'R', ..] => Some(Detected::Http2),
+        _ => Some(Detected::Http1),
+    }
+}
+
+/// Waits for enough bytes to classify the connection, with [`classify`] (`auto` routes) or
+/// [`classify_http`] (`http` routes).
 ///
-/// `timeout` is when to give up waiting: `Detected::Tcp` then. `draining` is cancelled when
+/// `timeout` is when to give up waiting: `Detected::Silent` then. `draining` is cancelled when
 /// the side's listeners close: a client that has sent nothing by then is closed.
 pub async fn detect(
     stream: &TcpStream,
+    http_only: bool,
     timeout: Duration,
     draining: &CancellationToken,
 ) -> Detected {
+    let classify = if http_only { classify_http } else { classify };
     let mut buf = [0u8; PEEK_LEN];
     let mut seen = 0;
     let deadline = tokio::time::sleep(timeout);
@@ -79,7 +95,7 @@ pub async fn detect(
             // The listeners closed while this client had not said a word.
             _ = draining.cancelled(), if seen == 0 => return Detected::Closed,
             // The client took too long: a server-speaks-first protocol, or a slow one.
-            _ = &mut deadline => return Detected::Tcp,
+            _ = &mut deadline => return Detected::Silent,
             // The client sent something (or closed).
             peeked = stream.peek(&mut buf) => {
                 let n = match peeked {
@@ -117,6 +133,15 @@ mod tests {
         assert_eq!(classify(b"*1\r\n$4\r\nPING\r\n"), Some(Detected::Tcp));
         assert_eq!(classify(b"GETX"), Some(Detected::Tcp));
         assert_eq!(classify(b"get / HTTP/1.1"), Some(Detected::Tcp));
+    }
+
+    #[test]
+    fn http_routes_decide_on_the_first_bytes() {
+        assert_eq!(classify_http(b"G"), Some(Detected::Http1));
+        assert_eq!(classify_http(b"\x16\x03"), Some(Detected::Http1));
+        assert_eq!(classify_http(b"P"), None);
+        assert_eq!(classify_http(b"PO"), Some(Detected::Http1));
+        assert_eq!(classify_http(b"PR"), Some(Detected::Http2));
     }
 
     #[test]

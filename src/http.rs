@@ -9,9 +9,10 @@
 //!   to finish it, and its response carries `connection: close`;
 //! - `terminate`: the socket is reset.
 //!
-//! A connection the proxy closes gets a lingering close: FIN, then what the client still sends
-//! (pipelined requests, HTTP/2 frames) is read and discarded for up to [`LINGER`], so that the
-//! kernel does not answer unread bytes with an RST that would cut the last response short.
+//! A connection the proxy closes while the client's bytes still wait unread in the socket
+//! (pipelined requests, HTTP/2 frames) gets a lingering close: FIN, then what the client sends
+//! is read and discarded until it closes or [`LINGER`] passes, so that the kernel does not
+//! answer unread bytes with an RST that would cut the last response short.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
@@ -289,8 +290,15 @@ impl ServerIo {
 
 impl Drop for ServerIo {
     fn drop(&mut self) {
+        // Only bytes still unread in the kernel would turn the close into an RST; with none,
+        // the close is a plain FIN and nothing needs to linger.
+        let unread = self
+            .stream
+            .as_ref()
+            .map_or(0, |stream| unread_bytes(stream.as_raw_fd()));
         if self.fin_sent
             && !self.eof
+            && unread > 0
             && let (Some(stream), Some(home)) = (self.stream.take(), self.home.take())
         {
             let _ = home.send(stream);

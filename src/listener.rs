@@ -213,25 +213,25 @@ async fn serve(
         return tcp::forward(stream, registration, tokens, &shared).await;
     }
     // An `http` route waits for the first bytes only as long as for a request's headers.
-    let wait = match protocol {
-        Protocol::Http => shared.http.header_read_timeout,
-        _ => shared.http.detect_timeout,
+    let http_only = protocol == Protocol::Http;
+    let wait = match http_only {
+        true => shared.http.header_read_timeout,
+        false => shared.http.detect_timeout,
     };
     let detected = tokio::select! {
         // The grace period ran out while the client was silent.
         _ = tokens.terminate.cancelled() => Detected::Closed,
-        detected = detect::detect(&stream, wait, &tokens.draining) => detected,
+        detected = detect::detect(&stream, http_only, wait, &tokens.draining) => detected,
     };
-    let version = match (detected, protocol) {
-        (Detected::Http1, _) => HttpVersion::Http1,
-        (Detected::Http2, _) => HttpVersion::Http2,
-        (Detected::Tcp, Protocol::Auto) => {
+    let version = match detected {
+        Detected::Http1 => HttpVersion::Http1,
+        Detected::Http2 => HttpVersion::Http2,
+        // Not HTTP, or a server-speaks-first protocol: opaque TCP.
+        Detected::Tcp | Detected::Silent if !http_only => {
             return tcp::forward(stream, registration, tokens, &shared).await;
         }
-        // Not HTTP on an `http` route: let the HTTP/1 server answer 400.
-        (Detected::Tcp, _) if !tokens.draining.is_cancelled() => HttpVersion::Http1,
-        _ => {
-            debug!(?detected, "closing a connection that sent nothing");
+        Detected::Tcp | Detected::Silent | Detected::Closed => {
+            debug!(?detected, "closing a connection that sent no request");
             return;
         }
     };

@@ -5,6 +5,8 @@
 
 #![allow(dead_code)]
 
+pub mod backend;
+
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, ExitStatus, Stdio};

@@ -1,0 +1,652 @@
+//! HTTP proxying and HTTP-aware draining on the real binary (TEST-CATALOG rows SD-02, SD-03,
+//! SD-04, SD-09, FT-01, FT-02, FT-03, BI-01, BI-02, BI-03, BI-04, BI-05, BI-08, BI-09), and
+//! protocol detection on `auto` routes.
+
+mod support;
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use support::backend::{Backend, get, read_response, send_raw};
+use support::*;
+
+fn proxy_for(backend: &Backend, extra: &[&str]) -> Proxy {
+    let route = backend.route("127.0.0.1:0");
+    let mut args = vec!["--inbound", route.as_str()];
+    args.extend_from_slice(extra);
+    Proxy::start(&args)
+}
+
+fn wait_seen(backend: &Backend, path: &str) {
+    wait_until(&format!("the backend sees {path}"), PATIENCE, || {
+        backend.seen_paths().iter().any(|seen| seen == path)
+    });
+}
+
+#[test]
+fn http1_requests_reach_the_app_with_their_host_and_without_hop_by_hop_headers() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &[]);
+    let mut client = send_raw(
+        proxy.inbound[0],
+        b"GET /echo HTTP/1.1\r\nHost: app.local\r\nConnection: x-foo, keep-alive\r\nConnection: x-bar\r\n\
+          X-Foo: 1\r\nX-Bar: 2\r\nKeep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nTE: gzip\r\n\
+          Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\nX-Kept: yes\r\n\r\n",
+    );
+    let response = read_response(&mut client).unwrap();
+    assert_eq!(response.status, 200);
+    let seen = &backend.seen()[0];
+    assert_eq!(
+        seen.header("host"),
+        Some("app.local"),
+        "the client's Host reaches the app"
+    );
+    assert_eq!(seen.header("x-kept"), Some("yes"));
+    for hop in [
+        "connection",
+        "x-foo",
+        "x-bar",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "upgrade",
+        "http2-settings",
+    ] {
+        assert_eq!(seen.header(hop), None, "{hop} reached the app: {seen:?}");
+    }
+
+    // And the app's hop-by-hop headers do not reach the client (same keep-alive connection).
+    client.write_all(&get("/hop")).unwrap();
+    let response = read_response(&mut client).unwrap();
+    assert_eq!(response.status, 200);
+    assert_eq!(response.header("x-kept"), Some("yes"));
+    for hop in ["x-secret", "keep-alive", "proxy-connection"] {
+        assert_eq!(
+            response.header(hop),
+            None,
+            "{hop} reached the client: {:?}",
+            response.headers
+        );
+    }
+    assert_ne!(response.header("connection"), Some("x-secret"));
+
+    let conns = proxy.get("/connections").body;
+    assert!(conns.contains("\"protocol\": \"http1\""), "{conns}");
+    assert_eq!(
+        proxy.metric("lameduck_requests_total{direction=\"inbound\",status_class=\"2xx\"}"),
+        2.0
+    );
+    drop(client);
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
+
+#[test]
+fn http1_inflight_request_completes_with_connection_close() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &[]);
+    let mut client = send_raw(proxy.inbound[0], &get("/delay?ms=1000&size=1048576"));
+    wait_seen(&backend, "/delay");
+    proxy.signal(libc::SIGTERM);
+    wait_until("new connections refused", PATIENCE, || {
+        try_connect(proxy.inbound[0]) == Attempt::Refused
+    });
+    let response = read_response(&mut client).unwrap();
+    let done = Instant::now();
+    assert_eq!(response.status, 200);
+    assert_eq!(response.body.len(), 1_048_576);
+    assert_eq!(response.header("connection"), Some("close"));
+    assert_eq!(
+        wait_close(&mut client, PATIENCE).0,
+        Close::Eof,
+        "a clean FIN after the response"
+    );
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+    let exit = done.elapsed();
+    assert!(
+        exit < Duration::from_secs(1),
+        "exit {exit:?} after the response"
+    );
+    eprintln!("SD-02: exit {exit:?} after the last response");
+}
+
+#[test]
+fn idle_keepalive_connection_is_closed_at_once() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &[]);
+    let mut client = send_raw(proxy.inbound[0], &get("/"));
+    assert_eq!(read_response(&mut client).unwrap().status, 200);
+    let sent = Instant::now();
+    proxy.signal(libc::SIGTERM);
+    let (close, _) = wait_close(&mut client, PATIENCE);
+    let closed = sent.elapsed();
+    assert_eq!(close, Close::Eof, "FIN, not RST");
+    assert!(
+        closed < Duration::from_millis(500),
+        "closed after {closed:?}"
+    );
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+    eprintln!(
+        "SD-03: idle keep-alive closed {closed:?} after SIGTERM, exit {:?}",
+        sent.elapsed()
+    );
+}
+
+#[test]
+fn connections_that_never_sent_a_byte_are_closed_at_once() {
+    let backend = Backend::start();
+    let outbound = backend.route("127.0.0.1:0");
+    let mut proxy = proxy_for(
+        &backend,
+        &["--outbound", &outbound, "--shutdown-grace-period=3s"],
+    );
+    let mut silent_in = TcpStream::connect(proxy.inbound[0]).unwrap();
+    let mut silent_out = TcpStream::connect(proxy.outbound[0]).unwrap();
+    let mut partial = send_raw(proxy.inbound[0], b"GET");
+    thread::sleep(Duration::from_millis(100));
+    let sent = Instant::now();
+    proxy.signal(libc::SIGTERM);
+    for silent in [&mut silent_in, &mut silent_out] {
+        let (close, _) = wait_close(silent, PATIENCE);
+        assert_eq!(close, Close::Eof);
+        assert!(
+            sent.elapsed() < Duration::from_millis(500),
+            "a silent connection held the drain for {:?}",
+            sent.elapsed()
+        );
+    }
+    // The partial request is forwarded as TCP after the detection timeout and cut at grace.
+    let _ = wait_close(&mut partial, PATIENCE);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+    assert!(
+        sent.elapsed() < Duration::from_secs(4),
+        "exit at {:?}, grace is 3s",
+        sent.elapsed()
+    );
+}
+
+#[test]
+fn pipelined_requests_behind_the_inflight_one_are_not_forwarded() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &[]);
+    let mut pipelined = get("/delay?ms=300&size=4194304&id=1");
+    pipelined.extend(get("/delay?id=2"));
+    pipelined.extend(get("/delay?id=3"));
+    let mut client = send_raw(proxy.inbound[0], &pipelined);
+    wait_seen(&backend, "/delay?id=1");
+    proxy.signal(libc::SIGTERM);
+    thread::sleep(Duration::from_millis(500));
+    // Read slowly: the proxy must not reset while our unread bytes and its FIN are in flight.
+    let mut head = [0u8; 1024];
+    client.read_exact(&mut head).unwrap();
+    thread::sleep(Duration::from_millis(300));
+    let mut rest = Vec::new();
+    let outcome = client.read_to_end(&mut rest);
+    assert!(outcome.is_ok(), "the connection was reset: {outcome:?}");
+    let mut raw = head.to_vec();
+    raw.extend(rest);
+    let text_end = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    let head = String::from_utf8_lossy(&raw[..text_end]).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    assert_eq!(
+        raw.len() - text_end,
+        4_194_304,
+        "the first response is complete and nothing follows it"
+    );
+    assert_eq!(
+        backend.seen_paths(),
+        vec!["/delay?id=1"],
+        "pipelined requests reached the app"
+    );
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
+
+#[test]
+fn grace_expiry_cuts_a_streaming_response_and_a_websocket() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &["--shutdown-grace-period=2s"]);
+    let mut streaming = send_raw(proxy.inbound[0], &get("/forever"));
+    let mut first = [0u8; 64];
+    streaming.read_exact(&mut first).unwrap();
+    let mut ws = websocket(proxy.inbound[0]);
+    let sent = Instant::now();
+    proxy.signal(libc::SIGTERM);
+    let (close, _) = wait_close(&mut streaming, PATIENCE);
+    let at = sent.elapsed();
+    assert_ne!(close, Close::Open);
+    assert!(
+        at >= Duration::from_millis(1900) && at < Duration::from_secs(4),
+        "cut at {at:?}, grace 2s"
+    );
+    let (ws_close, _) = wait_close(&mut ws, PATIENCE);
+    assert_eq!(ws_close, Close::Reset, "the tunnel is reset at grace");
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+    let logs = proxy.logs.text();
+    assert!(
+        logs.contains("protocol=tunnel"),
+        "the WebSocket is named as a tunnel survivor:\n{logs}"
+    );
+    assert!(logs.contains("protocol=http1"), "{logs}");
+}
+
+/// Opens a WebSocket through `addr` and checks the 101.
+fn websocket(addr: std::net::SocketAddr) -> TcpStream {
+    let mut ws = send_raw(
+        addr,
+        b"GET /ws HTTP/1.1\r\nHost: app.local\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+          Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+    );
+    let response = read_response(&mut ws).unwrap();
+    assert_eq!(response.status, 101);
+    assert_eq!(response.header("upgrade"), Some("websocket"));
+    assert!(
+        response
+            .header("connection")
+            .is_some_and(|c| c.eq_ignore_ascii_case("upgrade"))
+    );
+    echo_round_trip(&mut ws, b"\x81\x05hello");
+    ws
+}
+
+#[test]
+fn websocket_keeps_flowing_while_draining() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &[]);
+    let mut ws = websocket(proxy.inbound[0]);
+    let conns = proxy.get("/connections").body;
+    assert!(conns.contains("\"protocol\": \"tunnel\""), "{conns}");
+    assert_eq!(backend.seen()[0].header("upgrade"), Some("websocket"));
+    proxy.signal(libc::SIGTERM);
+    wait_until("refused", PATIENCE, || {
+        try_connect(proxy.inbound[0]) == Attempt::Refused
+    });
+    for round in 0..10u8 {
+        echo_round_trip(&mut ws, &[0x81, 1, round]);
+        thread::sleep(Duration::from_millis(100));
+    }
+    assert!(proxy.is_running());
+    drop(ws);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
+
+#[test]
+fn target_dying_mid_body_never_looks_complete() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &[]);
+    let mut client = send_raw(proxy.inbound[0], &get("/die?chunks=40&length=1000000"));
+    let outcome = read_response(&mut client);
+    match outcome {
+        Err(error) => assert!(
+            matches!(
+                error.kind(),
+                ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset
+            ),
+            "{error}"
+        ),
+        Ok(response) => panic!(
+            "a truncated body was delivered as complete: {} bytes",
+            response.body.len()
+        ),
+    }
+    // The proxy keeps serving.
+    let mut next = send_raw(proxy.inbound[0], &get("/"));
+    assert_eq!(read_response(&mut next).unwrap().status, 200);
+    proxy.signal(libc::SIGTERM);
+    drop(next);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
+
+#[test]
+fn unreachable_target_answers_502_and_slow_target_504() {
+    let closed = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut proxy = Proxy::start(&["--inbound", &format!("127.0.0.1:0={closed}/http")]);
+    for _ in 0..20 {
+        let started = Instant::now();
+        let mut client = send_raw(proxy.inbound[0], &get("/"));
+        let response = read_response(&mut client).unwrap();
+        assert_eq!(response.status, 502);
+        assert_eq!(
+            String::from_utf8_lossy(&response.body),
+            format!("bad gateway: cannot connect to {closed}\n")
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "502 took {:?}",
+            started.elapsed()
+        );
+    }
+    assert_eq!(
+        proxy.metric("lameduck_requests_total{direction=\"inbound\",status_class=\"5xx\"}"),
+        20.0
+    );
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &["--http-response-timeout=500ms"]);
+    let started = Instant::now();
+    let mut client = send_raw(proxy.inbound[0], &get("/hang"));
+    let response = read_response(&mut client).unwrap();
+    assert_eq!(response.status, 504);
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(450) && took < Duration::from_secs(3),
+        "504 after {took:?}"
+    );
+    proxy.signal(libc::SIGTERM);
+    drop(client);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
+
+#[test]
+fn hanging_target_is_cut_at_grace() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &["--shutdown-grace-period=2s"]);
+    let mut client = send_raw(proxy.inbound[0], &get("/hang"));
+    wait_seen(&backend, "/hang");
+    let sent = Instant::now();
+    proxy.signal(libc::SIGTERM);
+    let (close, _) = wait_close(&mut client, PATIENCE);
+    assert_ne!(close, Close::Open);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+    let at = sent.elapsed();
+    assert!(
+        at >= Duration::from_millis(1900) && at < Duration::from_secs(3),
+        "exit at {at:?}"
+    );
+}
+
+#[test]
+fn malformed_requests_get_400_and_never_reach_the_app() {
+    let backend = Backend::start();
+    let route = format!("{}/http", backend.route("127.0.0.1:0"));
+    let mut proxy = Proxy::start(&["--inbound", &route]);
+    let malformed: &[&[u8]] = &[
+        b"GE T / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: foo\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\nX-Bad: a\0b\r\n\r\n",
+        b"G@T / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /\x01 HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+    ];
+    for bytes in malformed {
+        let mut client = send_raw(proxy.inbound[0], bytes);
+        let response = read_response(&mut client).unwrap();
+        assert_eq!(response.status, 400, "{:?}", String::from_utf8_lossy(bytes));
+        assert_eq!(
+            wait_close(&mut client, PATIENCE).0,
+            Close::Eof,
+            "{:?}",
+            String::from_utf8_lossy(bytes)
+        );
+    }
+    assert!(
+        backend.seen().is_empty(),
+        "malformed requests reached the app: {:?}",
+        backend.seen()
+    );
+    assert!(proxy.is_running());
+    let mut ok = send_raw(proxy.inbound[0], &get("/"));
+    assert_eq!(read_response(&mut ok).unwrap().status, 200);
+}
+
+#[test]
+fn smuggling_attempts_never_desynchronise_proxy_and_app() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &[]);
+    let smuggled = "GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n";
+    // (request, whether the trailing GET is legitimately a second pipelined request)
+    let attempts = [
+        (
+            format!(
+                "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n{smuggled}"
+            ),
+            false,
+        ),
+        (
+            format!(
+                "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n0\r\n\r\n{smuggled}"
+            ),
+            false,
+        ),
+        (
+            format!(
+                "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n{smuggled}"
+            ),
+            false,
+        ),
+        (
+            format!("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: +3\r\n\r\nabc{smuggled}"),
+            false,
+        ),
+        (
+            format!(
+                "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 40\r\n\r\nabc{smuggled}"
+            ),
+            false,
+        ),
+        (
+            format!(
+                "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff1\r\n\r\n{smuggled}"
+            ),
+            false,
+        ),
+        // Trailing whitespace is optional whitespace (RFC 9110): this is plain chunked, and the
+        // GET is a second request that both the proxy and the app see as one.
+        (
+            format!(
+                "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\t\r\n\r\n0\r\n\r\n{smuggled}"
+            ),
+            true,
+        ),
+    ];
+    for (request, pipelined) in &attempts {
+        let before = backend.seen().len();
+        let mut client = send_raw(proxy.inbound[0], request.as_bytes());
+        client
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        let mut answers = Vec::new();
+        let _ = client.read_to_end(&mut answers);
+        thread::sleep(Duration::from_millis(100));
+        let seen = backend.seen()[before..].to_vec();
+        let responses = String::from_utf8_lossy(&answers)
+            .matches("HTTP/1.1 ")
+            .count();
+        assert!(
+            seen.len() <= responses,
+            "the app saw {} requests, the client got {responses} responses: {request:?}",
+            seen.len()
+        );
+        assert_eq!(
+            seen.iter().any(|s| s.path == "/smuggled"),
+            *pipelined,
+            "{request:?} -> {:?}",
+            String::from_utf8_lossy(&answers)
+        );
+        for seen in &seen {
+            let framing = ["content-length", "transfer-encoding"]
+                .iter()
+                .filter(|h| seen.header(h).is_some())
+                .count();
+            assert!(framing <= 1, "the app got two framing headers: {seen:?}");
+        }
+    }
+    assert!(proxy.is_running());
+}
+
+#[test]
+fn oversized_headers_get_431_without_growing_memory() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &["--http-max-header-size=16KiB"]);
+    let long_name = format!(
+        "GET / HTTP/1.1\r\nHost: x\r\n{}: 1\r\n\r\n",
+        "a".repeat(64 * 1024)
+    );
+    let many = format!(
+        "GET / HTTP/1.1\r\nHost: x\r\n{}\r\n",
+        (0..101)
+            .map(|i| format!("x-h{i}: v\r\n"))
+            .collect::<String>()
+    );
+    let huge = format!(
+        "GET / HTTP/1.1\r\nHost: x\r\nx-big: {}\r\n\r\n",
+        "b".repeat(1024 * 1024)
+    );
+    let rss_before = rss_kib(proxy.pid());
+    for round in 0..200 {
+        for request in [&long_name, &many, &huge] {
+            let mut client = TcpStream::connect(proxy.inbound[0]).unwrap();
+            client.set_read_timeout(Some(PATIENCE)).unwrap();
+            let _ = client.write_all(request.as_bytes());
+            let mut response = Vec::new();
+            let _ = client.read_to_end(&mut response);
+            if round == 0 {
+                let text = String::from_utf8_lossy(&response);
+                assert!(
+                    text.starts_with("HTTP/1.1 431"),
+                    "{}",
+                    &text[..text.len().min(100)]
+                );
+            }
+        }
+    }
+    let growth = rss_kib(proxy.pid()).saturating_sub(rss_before);
+    eprintln!("BI-02: RSS grew {growth} KiB over 600 oversized requests");
+    assert!(growth < 10 * 1024, "RSS grew {growth} KiB");
+    assert!(backend.seen().is_empty());
+    assert!(proxy.is_running());
+}
+
+fn rss_kib(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches(" kB")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn slow_headers_are_cut_at_the_header_read_timeout() {
+    let backend = Backend::start();
+    let route = format!("{}/http", backend.route("127.0.0.1:0"));
+    let proxy = Proxy::start(&["--inbound", &route, "--http-header-read-timeout=1s"]);
+    let silent_start = Instant::now();
+    let mut silent = TcpStream::connect(proxy.inbound[0]).unwrap();
+    let trickle_start = Instant::now();
+    let mut trickle = TcpStream::connect(proxy.inbound[0]).unwrap();
+    let trickler = thread::spawn(move || {
+        for byte in b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ".iter().cycle() {
+            if trickle.write_all(&[*byte]).is_err() {
+                return (trickle, trickle_start.elapsed());
+            }
+            thread::sleep(Duration::from_millis(200));
+            if trickle_start.elapsed() > PATIENCE {
+                return (trickle, trickle_start.elapsed());
+            }
+        }
+        unreachable!()
+    });
+    let (close, _) = wait_close(&mut silent, PATIENCE);
+    let silent_at = silent_start.elapsed();
+    assert_ne!(close, Close::Open);
+    assert!(
+        silent_at >= Duration::from_millis(900) && silent_at < Duration::from_secs(3),
+        "silent client cut at {silent_at:?}"
+    );
+    let (_, trickle_at) = trickler.join().unwrap();
+    assert!(
+        trickle_at < Duration::from_secs(3),
+        "a byte-a-time client was cut only at {trickle_at:?}"
+    );
+    eprintln!("BI-03: silent client cut at {silent_at:?}, trickling client at {trickle_at:?}");
+    let mut ok = send_raw(proxy.inbound[0], &get("/"));
+    assert_eq!(read_response(&mut ok).unwrap().status, 200);
+    assert!(
+        backend
+            .seen()
+            .iter()
+            .all(|seen| seen.header("x-slow").is_none())
+    );
+}
+
+#[test]
+fn auto_routes_forward_other_protocols_byte_for_byte() {
+    let echo = EchoServer::start();
+    let mut proxy = Proxy::start(&["--inbound", &echo.route("127.0.0.1:0")]);
+    let tls_client_hello: Vec<u8> = [
+        &[
+            0x16u8, 0x03, 0x01, 0x00, 0xf4, 0x01, 0x00, 0x00, 0xf0, 0x03, 0x03,
+        ][..],
+        &[0x5a; 240],
+    ]
+    .concat();
+    let postgres_startup: Vec<u8> = [
+        &[0u8, 0, 0, 41, 0, 3, 0, 0][..],
+        b"user\0postgres\0database\0postgres\0\0",
+    ]
+    .concat();
+    let random: Vec<u8> = (0..4096u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    for payload in [tls_client_hello, postgres_startup, random] {
+        let mut client = TcpStream::connect(proxy.inbound[0]).unwrap();
+        client.set_read_timeout(Some(PATIENCE)).unwrap();
+        echo_round_trip(&mut client, &payload);
+    }
+    let conns = proxy.get("/connections").body;
+    assert!(!conns.contains("http1"), "{conns}");
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
+
+#[test]
+fn server_speaks_first_works_on_tcp_routes_and_on_auto_after_the_detection_timeout() {
+    let greeter = TcpListener::bind("127.0.0.1:0").unwrap();
+    let greeter_addr = greeter.local_addr().unwrap();
+    thread::spawn(move || {
+        for stream in greeter.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            thread::spawn(move || {
+                stream.write_all(b"220 smtp.local ESMTP ready\r\n").unwrap();
+                let mut buf = [0u8; 64];
+                if let Ok(n) = stream.read(&mut buf) {
+                    let _ = stream.write_all(&buf[..n]);
+                }
+            });
+        }
+    });
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &format!("127.0.0.1:0={greeter_addr}/tcp"),
+        "--inbound",
+        &format!("127.0.0.1:0={greeter_addr}"),
+        "--detect-timeout=300ms",
+    ]);
+    for (addr, min_wait) in [
+        (proxy.inbound[0], Duration::ZERO),
+        (proxy.inbound[1], Duration::from_millis(250)),
+    ] {
+        let started = Instant::now();
+        let mut client = TcpStream::connect(addr).unwrap();
+        client.set_read_timeout(Some(PATIENCE)).unwrap();
+        let mut greeting = [0u8; 28];
+        client.read_exact(&mut greeting).unwrap();
+        assert_eq!(&greeting, b"220 smtp.local ESMTP ready\r\n");
+        assert!(started.elapsed() >= min_wait);
+        echo_round_trip(&mut client, b"EHLO me\r\n");
+    }
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
