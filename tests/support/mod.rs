@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod backend;
+pub mod h2raw;
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
