@@ -4,7 +4,8 @@
 //!
 //! A client that sends nothing is waited for until the detection timeout (then it is opaque
 //! TCP on an `auto` route: server-speaks-first protocols) or until its side's listeners close
-//! (then it is closed: CONTRACT section 3 step 4).
+//! (then it is closed: CONTRACT section 3 step 4, after [`SILENT_GRACE`], the moment a client
+//! whose `connect()` just returned needs to write its request).
 
 use std::time::Duration;
 
@@ -27,6 +28,9 @@ const METHODS: &[&[u8]] = &[
 ];
 /// Enough bytes to decide: the preface is the longest pattern.
 const PEEK_LEN: usize = 24;
+/// How long a connection that has sent nothing may still send its first bytes once the
+/// listeners have closed.
+const SILENT_GRACE: Duration = Duration::from_millis(50);
 /// Pause between peeks when bytes are there but not enough to decide (peek does not consume,
 /// so readiness stays set and an immediate retry would spin).
 const PEEK_RETRY: Duration = Duration::from_millis(5);
@@ -90,10 +94,20 @@ pub async fn detect(
     let mut seen = 0;
     let deadline = tokio::time::sleep(timeout);
     tokio::pin!(deadline);
+    // Set when the listeners close before the first byte: the last moment to send one.
+    let last_call = tokio::time::sleep(Duration::MAX);
+    tokio::pin!(last_call);
+    let mut closing = false;
     loop {
         tokio::select! {
-            // The listeners closed while this client had not said a word.
-            _ = draining.cancelled(), if seen == 0 => return Detected::Closed,
+            // The listeners closed while this client had not said a word yet: it gets a moment,
+            // since a client whose connect() just returned is about to write.
+            _ = draining.cancelled(), if seen == 0 && !closing => {
+                closing = true;
+                last_call.as_mut().reset(tokio::time::Instant::now() + SILENT_GRACE);
+            }
+            // Still nothing after that moment: close.
+            () = &mut last_call, if closing && seen == 0 => return Detected::Closed,
             // The client took too long: a server-speaks-first protocol, or a slow one.
             _ = &mut deadline => return Detected::Silent,
             // The client sent something (or closed).

@@ -650,3 +650,64 @@ fn server_speaks_first_works_on_tcp_routes_and_on_auto_after_the_detection_timeo
     proxy.signal(libc::SIGTERM);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
+
+#[test]
+fn lame_duck_asks_every_http_connection_to_go_away_and_still_serves_new_ones() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(
+        &backend,
+        &["--lame-duck-period=1500ms", "--shutdown-grace-period=10s"],
+    );
+    let mut old = send_raw(proxy.inbound[0], &get("/"));
+    assert_eq!(read_response(&mut old).unwrap().status, 200);
+    let sent = Instant::now();
+    proxy.signal(libc::SIGTERM);
+    wait_until("/ready turns 503", PATIENCE, || {
+        proxy.get("/ready").status == 503
+    });
+
+    // An existing keep-alive connection is not cut, but its next response says close.
+    thread::sleep(Duration::from_millis(100));
+    old.write_all(&get("/")).unwrap();
+    let response = read_response(&mut old).unwrap();
+    assert_eq!(
+        (response.status, response.header("connection")),
+        (200, Some("close"))
+    );
+    assert_eq!(wait_close(&mut old, PATIENCE).0, Close::Eof);
+
+    // A new HTTP/1 connection is accepted and served once, with connection: close.
+    let mut new = send_raw(proxy.inbound[0], &get("/"));
+    let response = read_response(&mut new).unwrap();
+    assert_eq!(
+        (response.status, response.header("connection")),
+        (200, Some("close"))
+    );
+
+    // A new HTTP/2 connection is served its first request, then gets GOAWAY.
+    let mut h2 = support::h2raw::H2::connect(proxy.inbound[0]);
+    h2.get(1, "/");
+    let (mut goaway, mut done) = (false, false);
+    let frames = h2
+        .read_until(|frame| {
+            goaway |= frame.kind == support::h2raw::GOAWAY;
+            done |= support::h2raw::ended(std::slice::from_ref(frame), 1);
+            goaway && done
+        })
+        .unwrap();
+    assert!(
+        frames.iter().any(|f| f.stream == 1 && f.is_status_200()),
+        "{frames:?}"
+    );
+    assert!(
+        sent.elapsed() < Duration::from_millis(1500),
+        "the machine was too slow to test inside the period"
+    );
+
+    wait_until("refused after the lame-duck period", PATIENCE, || {
+        try_connect(proxy.inbound[0]) == Attempt::Refused
+    });
+    assert!(sent.elapsed() >= Duration::from_millis(1400));
+    drop(h2);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}

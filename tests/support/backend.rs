@@ -279,15 +279,26 @@ impl WireResponse {
     }
 }
 
-/// Reads one HTTP/1.1 response (Content-Length or chunked) from `stream`.
+/// Reads one HTTP/1.1 response (Content-Length or chunked) from `stream`. A connection closed
+/// (FIN or RST) before any byte of the response is `ConnectionAborted`: the case in which HTTP
+/// clients retry a request on a fresh connection.
 pub fn read_response(stream: &mut TcpStream) -> std::io::Result<WireResponse> {
     let mut head = Vec::new();
     let mut byte = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {
-        if stream.read(&mut byte)? == 0 {
+        let read = match stream.read(&mut byte) {
+            Err(error) if head.is_empty() && error.kind() == ErrorKind::ConnectionReset => 0,
+            read => read?,
+        };
+        if read == 0 {
+            let kind = match head.is_empty() {
+                true => ErrorKind::ConnectionAborted,
+                false => ErrorKind::UnexpectedEof,
+            };
+            let head = String::from_utf8_lossy(&head);
             return Err(std::io::Error::new(
-                ErrorKind::UnexpectedEof,
-                format!("EOF in head: {:?}", String::from_utf8_lossy(&head)),
+                kind,
+                format!("closed in the head: {head:?}"),
             ));
         }
         head.push(byte[0]);
