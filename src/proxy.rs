@@ -24,6 +24,7 @@ use hyper::header::{
 };
 use hyper::upgrade::OnUpgrade;
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
+use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::{Instrument, debug};
@@ -31,6 +32,7 @@ use tracing::{Instrument, debug};
 use crate::conns::{ConnProtocol, Connection};
 use crate::http::{ConnCtx, HttpVersion, ServerIo};
 use crate::tcp;
+use crate::upstream::Connector;
 
 /// Headers that concern one hop only (RFC 9110 section 7.6.1), besides those `Connection` names.
 const HOP_BY_HOP: [&str; 7] = [
@@ -74,7 +76,7 @@ pub async fn handle(
         HttpVersion::Http1 => &ctx.handle.upstream.http1,
         HttpVersion::Http2 => &ctx.handle.upstream.http2,
     };
-    let sent = client.request(request);
+    let sent = send(client, request);
     let result = match ctx.shared.http.response_timeout {
         Some(limit) => match tokio::time::timeout(limit, sent).await {
             Ok(result) => result,
@@ -138,6 +140,87 @@ pub async fn handle(
         kind: Kind::Target(body),
         _in_flight: Some(in_flight),
     }))
+}
+
+/// Sends a request; a bodiless idempotent request whose pooled connection the target closed
+/// before answering (the keep-alive race) is sent once more, on a fresh connection, as RFC 9110
+/// section 9.2.2 allows. Anything else is never replayed.
+async fn send(
+    client: &Client<Connector, UpstreamBody>,
+    request: Request<Incoming>,
+) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
+    let replay = replayable(&request).then(|| {
+        let mut copy = Request::new(UpstreamBody::Empty);
+        *copy.method_mut() = request.method().clone();
+        *copy.uri_mut() = request.uri().clone();
+        *copy.version_mut() = request.version();
+        *copy.headers_mut() = request.headers().clone();
+        copy
+    });
+    let first = client.request(request.map(UpstreamBody::Client)).await;
+    match (first, replay) {
+        (Err(error), Some(again)) if closed_before_response(&error) => {
+            debug!(%error, "the target closed a pooled connection before answering; retrying once");
+            client.request(again).await
+        }
+        (first, _) => first,
+    }
+}
+
+fn replayable(request: &Request<Incoming>) -> bool {
+    let idempotent = matches!(
+        *request.method(),
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    );
+    idempotent && request.body().is_end_stream()
+}
+
+/// The error of a request that the target never started answering because it closed the
+/// (reused) connection: hyper's "incomplete message" or a send cancelled by the close.
+fn closed_before_response(error: &hyper_util::client::legacy::Error) -> bool {
+    let mut source = error.source();
+    while let Some(cause) = source {
+        if let Some(hyper) = cause.downcast_ref::<hyper::Error>() {
+            return hyper.is_incomplete_message() || hyper.is_canceled();
+        }
+        source = cause.source();
+    }
+    false
+}
+
+/// A request body towards the target: the client's, streamed, or none (a replay).
+pub enum UpstreamBody {
+    Client(Incoming),
+    Empty,
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            UpstreamBody::Client(body) => Pin::new(body).poll_frame(cx),
+            UpstreamBody::Empty => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            UpstreamBody::Client(body) => body.is_end_stream(),
+            UpstreamBody::Empty => true,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            UpstreamBody::Client(body) => body.size_hint(),
+            UpstreamBody::Empty => SizeHint::with_exact(0),
+        }
+    }
 }
 
 /// WebSocket-style upgrades (`Connection: upgrade` with `Upgrade`) and CONNECT.

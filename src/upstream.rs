@@ -15,13 +15,13 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper::Uri;
-use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 
 use crate::config::{Direction, Target};
 use crate::metrics::Metrics;
+use crate::proxy::UpstreamBody;
 use crate::tcp;
 
 /// How long an idle pooled connection to a target is kept.
@@ -29,8 +29,8 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// The pooled clients of one route.
 pub struct Upstream {
-    pub http1: Client<Connector, Incoming>,
-    pub http2: Client<Connector, Incoming>,
+    pub http1: Client<Connector, UpstreamBody>,
+    pub http2: Client<Connector, UpstreamBody>,
 }
 
 impl Upstream {

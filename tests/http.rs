@@ -711,3 +711,115 @@ fn lame_duck_asks_every_http_connection_to_go_away_and_still_serves_new_ones() {
     drop(h2);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
+
+#[test]
+fn expect_100_continue_passes_through() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &[]);
+    let mut client = send_raw(
+        proxy.inbound[0],
+        b"POST /echo HTTP/1.1\r\nHost: app.local\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n",
+    );
+    let interim = read_response(&mut client).unwrap();
+    assert_eq!(
+        interim.status, 100,
+        "the client is told to continue before it sends the body"
+    );
+    client.write_all(b"hello").unwrap();
+    let response = read_response(&mut client).unwrap();
+    assert_eq!(
+        (response.status, response.body.as_slice()),
+        (200, &b"hello"[..])
+    );
+    assert_eq!(backend.seen()[0].body, b"hello");
+    drop(client);
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
+
+#[test]
+fn target_closing_idle_keepalive_connections_costs_no_request() {
+    // A target that closes every keep-alive connection after exactly 300 ms of idleness,
+    // while the client sends a request every 300 ms: the pooled connection races its close.
+    let target = TcpListener::bind("127.0.0.1:0").unwrap();
+    let target_addr = target.local_addr().unwrap();
+    let request_lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let recorded = request_lines.clone();
+    thread::spawn(move || {
+        for stream in target.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let recorded = recorded.clone();
+            thread::spawn(move || {
+                stream
+                    .set_read_timeout(Some(Duration::from_millis(300)))
+                    .unwrap();
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                loop {
+                    match stream.read(&mut byte) {
+                        Ok(1) => head.push(byte[0]),
+                        _ => return,
+                    }
+                    if head.ends_with(b"\r\n\r\n") {
+                        let text = String::from_utf8_lossy(&head).into_owned();
+                        recorded
+                            .lock()
+                            .unwrap()
+                            .push(text.lines().next().unwrap_or("").to_string());
+                        // Bodies here are 4 bytes: read them.
+                        if text.to_ascii_lowercase().contains("content-length: 4") {
+                            let mut body = [0u8; 4];
+                            if stream.read_exact(&mut body).is_err() {
+                                return;
+                            }
+                        }
+                        head.clear();
+                        if stream
+                            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let mut proxy = Proxy::start(&["--inbound", &format!("127.0.0.1:0={target_addr}/http")]);
+    let mut client = TcpStream::connect(proxy.inbound[0]).unwrap();
+    client.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut statuses = Vec::new();
+    for _ in 0..30 {
+        client.write_all(&get("/")).unwrap();
+        statuses.push(read_response(&mut client).unwrap().status);
+        thread::sleep(Duration::from_millis(300));
+    }
+    let failed = statuses.iter().filter(|&&status| status != 200).count();
+    eprintln!(
+        "FT-10: {failed} of {} requests failed as the target closed idle connections",
+        statuses.len()
+    );
+    assert_eq!(failed, 0, "{statuses:?}");
+
+    // A POST is never replayed, even when its connection races the close: it may fail (502),
+    // but the target sees each at most once.
+    for i in 0..10 {
+        let post =
+            format!("POST /post-{i} HTTP/1.1\r\nHost: app.local\r\nContent-Length: 4\r\n\r\nbody");
+        client.write_all(post.as_bytes()).unwrap();
+        let status = read_response(&mut client).unwrap().status;
+        assert!(status == 200 || status == 502, "{status}");
+        thread::sleep(Duration::from_millis(300));
+    }
+    let lines = request_lines.lock().unwrap().clone();
+    for i in 0..10 {
+        let line = format!("POST /post-{i} HTTP/1.1");
+        assert!(
+            lines.iter().filter(|l| **l == line).count() <= 1,
+            "{line} was replayed: {lines:?}"
+        );
+    }
+    drop(client);
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}

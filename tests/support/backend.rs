@@ -344,7 +344,7 @@ pub fn read_response(stream: &mut TcpStream) -> std::io::Result<WireResponse> {
             }
             body.extend_from_slice(&chunk[..size]);
         }
-    } else if status != 101 && status != 204 && status != 304 {
+    } else if status >= 200 && status != 204 && status != 304 {
         stream.read_to_end(&mut body)?;
     }
     Ok(WireResponse { body, ..response })
