@@ -78,6 +78,14 @@ fn http1_requests_reach_the_app_with_their_host_and_without_hop_by_hop_headers()
         proxy.metric("lameduck_requests_total{direction=\"inbound\",status_class=\"2xx\"}"),
         2.0
     );
+    assert_eq!(
+        proxy.metric("lameduck_request_duration_seconds_count{direction=\"inbound\"}"),
+        2.0
+    );
+    assert_eq!(
+        proxy.metric("lameduck_connections_total{direction=\"inbound\",protocol=\"http1\"}"),
+        1.0
+    );
     drop(client);
     proxy.signal(libc::SIGTERM);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
@@ -571,6 +579,30 @@ fn slow_headers_are_cut_at_the_header_read_timeout() {
         "a byte-a-time client was cut only at {trickle_at:?}"
     );
     eprintln!("BI-03: silent client cut at {silent_at:?}, trickling client at {trickle_at:?}");
+
+    // Hundreds of clients stuck in their headers do not slow the others down.
+    let stuck: Vec<TcpStream> = (0..500)
+        .map(|_| send_raw(proxy.inbound[0], b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: "))
+        .collect();
+    let mut latencies: Vec<Duration> = (0..100)
+        .map(|_| {
+            let started = Instant::now();
+            let mut client = send_raw(proxy.inbound[0], &get("/"));
+            assert_eq!(read_response(&mut client).unwrap().status, 200);
+            started.elapsed()
+        })
+        .collect();
+    latencies.sort();
+    let p99 = latencies[98];
+    eprintln!(
+        "BI-03: with 500 stuck clients, p50 {:?}, p99 {p99:?}",
+        latencies[50]
+    );
+    assert!(
+        p99 < Duration::from_millis(250),
+        "p99 {p99:?} with 500 slowloris clients"
+    );
+    drop(stuck);
     let mut ok = send_raw(proxy.inbound[0], &get("/"));
     assert_eq!(read_response(&mut ok).unwrap().status, 200);
     assert!(

@@ -268,3 +268,35 @@ fn h2_rapid_reset_and_continuation_flood_get_goaway() {
     drop(h2);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
+
+#[test]
+fn h2_requests_keep_te_trailers_and_reach_the_app_over_http2() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &[]);
+    let mut h2 = H2::connect(proxy.inbound[0]);
+    let block = header_block(&[
+        (":method", "GET"),
+        (":scheme", "http"),
+        (":path", "/echo"),
+        (":authority", "app.local"),
+        ("te", "trailers"),
+        ("x-kept", "yes"),
+    ]);
+    h2.send(HEADERS, END_HEADERS | END_STREAM, 1, &block);
+    let frames = h2
+        .read_until(|frame| frame.stream == 1 && frame.flags & END_STREAM != 0)
+        .unwrap();
+    assert!(frames.iter().any(|f| f.stream == 1 && f.is_status_200()));
+    let seen = &backend.seen()[0];
+    assert_eq!(
+        seen.version, "HTTP/2.0",
+        "the client's version is kept towards the app"
+    );
+    assert_eq!(seen.header("te"), Some("trailers"));
+    assert_eq!(seen.header("x-kept"), Some("yes"));
+    let conns = proxy.get("/connections").body;
+    assert!(conns.contains("\"protocol\": \"http2\""), "{conns}");
+    drop(h2);
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
