@@ -266,10 +266,10 @@ impl fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 /// A flag and the variable that stands in for it.
-struct Setting {
-    flag: &'static str,
-    var: &'static str,
-    example: &'static str,
+pub(crate) struct Setting {
+    pub(crate) flag: &'static str,
+    pub(crate) var: &'static str,
+    pub(crate) example: &'static str,
 }
 
 const INBOUND: Setting = Setting {
@@ -349,13 +349,13 @@ const LOG_FORMAT: Setting = Setting {
 };
 
 /// A raw value and the name of the flag or variable it came from.
-struct Raw {
-    value: String,
+pub(crate) struct Raw {
+    pub(crate) value: String,
     source: String,
 }
 
 impl Raw {
-    fn error(&self, reason: impl Into<String>, example: &'static str) -> ConfigError {
+    pub(crate) fn error(&self, reason: impl Into<String>, example: &'static str) -> ConfigError {
         ConfigError {
             setting: self.source.clone(),
             value: self.value.clone(),
@@ -377,15 +377,7 @@ impl Config {
         env: impl Fn(&str) -> Option<OsString>,
     ) -> Result<Config, ConfigError> {
         let lookup =
-            |setting: &Setting, flag_value: Option<String>| -> Result<Option<Raw>, ConfigError> {
-                if let Some(value) = flag_value {
-                    return Ok(Some(Raw {
-                        value,
-                        source: setting.flag.to_string(),
-                    }));
-                }
-                env_value(&env, setting.var, setting.example)
-            };
+            |setting: &Setting, flag_value: Option<String>| resolve(setting, flag_value, &env);
 
         let mut routes = Vec::new();
         for (setting, direction, flags) in [
@@ -553,8 +545,23 @@ impl Config {
     }
 }
 
+/// The raw value of a setting: the flag's if given, else its variable's.
+pub(crate) fn resolve(
+    setting: &Setting,
+    flag_value: Option<String>,
+    env: &impl Fn(&str) -> Option<OsString>,
+) -> Result<Option<Raw>, ConfigError> {
+    if let Some(value) = flag_value {
+        return Ok(Some(Raw {
+            value,
+            source: setting.flag.to_string(),
+        }));
+    }
+    env_value(env, setting.var, setting.example)
+}
+
 /// Reads one variable; a value that is not UTF-8 is an error naming the variable.
-fn env_value(
+pub(crate) fn env_value(
     env: &impl Fn(&str) -> Option<OsString>,
     var: &str,
     example: &'static str,
@@ -665,7 +672,7 @@ fn parse_socket_addr(raw: &Raw, example: &'static str) -> Result<SocketAddr, Con
 }
 
 /// Parses a humantime duration (`90s`, `2m`, `1m 30s`, `1.5s`); a bare `0` means zero.
-fn parse_duration(raw: &Raw, example: &'static str) -> Result<Duration, ConfigError> {
+pub(crate) fn parse_duration(raw: &Raw, example: &'static str) -> Result<Duration, ConfigError> {
     let value = raw.value.trim();
     if value == "0" {
         return Ok(Duration::ZERO);
@@ -717,7 +724,7 @@ fn parse_size(raw: &Raw, example: &'static str) -> Result<usize, ConfigError> {
     Ok(size)
 }
 
-fn parse_bool(raw: &Raw, example: &'static str) -> Result<bool, ConfigError> {
+pub(crate) fn parse_bool(raw: &Raw, example: &'static str) -> Result<bool, ConfigError> {
     match raw.value.trim().to_ascii_lowercase().as_str() {
         "true" | "1" | "yes" | "on" | "enabled" => Ok(true),
         "false" | "0" | "no" | "off" | "disabled" => Ok(false),

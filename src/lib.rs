@@ -14,7 +14,8 @@
 //! - [`conns`]: the registry of open connections behind `/connections` and the metrics;
 //! - [`admin`]: the admin server (`/live`, `/ready`, `/metrics`, `/shutdown`, `/connections`);
 //! - [`metrics`]: Prometheus metrics;
-//! - [`logging`]: the `tracing` subscriber.
+//! - [`logging`]: the `tracing` subscriber;
+//! - [`wrapper`]: `lameduck await`, running an app under the proxy's lifecycle.
 
 pub mod admin;
 pub mod app;
@@ -30,3 +31,4 @@ pub mod proxy;
 pub mod signals;
 pub mod tcp;
 pub mod upstream;
+pub mod wrapper;

@@ -5,6 +5,7 @@
 use clap::{Parser, Subcommand};
 use lameduck::config::{Config, ProxyArgs, process_env};
 use lameduck::signals::ShutdownSignals;
+use lameduck::wrapper::{self, AwaitArgs};
 use lameduck::{app, logging};
 
 /// lameduck: a service-mesh sidecar proxy that shuts down gracefully.
@@ -24,12 +25,29 @@ struct Cli {
 enum Command {
     /// Run the proxy (the default command)
     Proxy(ProxyArgs),
+    /// Wait until the proxy is ready, run a command, and (with -S) shut the proxy down after it
+    Await(AwaitArgs),
 }
 
 const EXIT_CANNOT_RUN: i32 = 1;
 const EXIT_INVALID_CONFIG: i32 = 2;
 
 fn main() {
+    // `lameduck await` handles the signals of the command it runs, and installs its own.
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|first| first == "await")
+    {
+        let code = match Cli::try_parse() {
+            Ok(Cli {
+                command: Some(Command::Await(args)),
+                ..
+            }) => wrapper::run(args, process_env),
+            Ok(_) => unreachable!("the first argument names the await command"),
+            Err(error) => error.exit(),
+        };
+        std::process::exit(code);
+    }
     // Signal handlers first, before configuration is read or a socket bound: as PID 1 a
     // SIGTERM that arrives while starting up would otherwise be lost.
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -60,6 +78,7 @@ fn main() {
     };
     let args = match cli.command {
         Some(Command::Proxy(args)) => args,
+        Some(Command::Await(_)) => unreachable!("dispatched before the proxy's signal handlers"),
         None => cli.proxy,
     };
     let config = match Config::from_sources(args, process_env) {
