@@ -355,6 +355,13 @@ pub(crate) struct Raw {
 }
 
 impl Raw {
+    pub(crate) fn new(value: impl Into<String>, source: impl Into<String>) -> Raw {
+        Raw {
+            value: value.into(),
+            source: source.into(),
+        }
+    }
+
     pub(crate) fn error(&self, reason: impl Into<String>, example: &'static str) -> ConfigError {
         ConfigError {
             setting: self.source.clone(),

@@ -15,7 +15,8 @@
 //! - [`admin`]: the admin server (`/live`, `/ready`, `/metrics`, `/shutdown`, `/connections`);
 //! - [`metrics`]: Prometheus metrics;
 //! - [`logging`]: the `tracing` subscriber;
-//! - [`wrapper`]: `lameduck await`, running an app under the proxy's lifecycle.
+//! - [`wrapper`]: `lameduck await`, running an app under the proxy's lifecycle;
+//! - [`inject`]: `lameduck inject`, the proxy added to Kubernetes workloads.
 
 pub mod admin;
 pub mod app;
@@ -24,6 +25,7 @@ pub mod conns;
 pub mod detect;
 pub mod drain;
 pub mod http;
+pub mod inject;
 pub mod listener;
 pub mod logging;
 pub mod metrics;

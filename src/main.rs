@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 use lameduck::config::{Config, ProxyArgs, process_env};
 use lameduck::signals::ShutdownSignals;
 use lameduck::wrapper::{self, AwaitArgs};
-use lameduck::{app, logging};
+use lameduck::{app, inject, logging};
 
 /// lameduck: a service-mesh sidecar proxy that shuts down gracefully.
 ///
@@ -27,26 +27,43 @@ enum Command {
     Proxy(ProxyArgs),
     /// Wait until the proxy is ready, run a command, and (with -S) shut the proxy down after it
     Await(AwaitArgs),
+    /// Read Kubernetes YAML and write it back with the proxy injected as a sidecar
+    Inject(InjectArgs),
+    /// Copy this binary to PATH (used by legacy injection to hand it to app containers)
+    #[command(hide = true)]
+    CopyBinary {
+        /// Where to copy the binary
+        path: std::path::PathBuf,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct InjectArgs {
+    /// The YAML to read; - for standard input
+    #[arg(
+        short = 'f',
+        long = "filename",
+        value_name = "FILE",
+        default_value = "-"
+    )]
+    file: String,
+    /// The proxy image
+    #[arg(long, value_name = "IMAGE", default_value = inject::DEFAULT_IMAGE)]
+    image: String,
+    /// Inject a native sidecar (true, Kubernetes 1.29+) or an ordinary container (false)
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "true")]
+    native_sidecar: String,
 }
 
 const EXIT_CANNOT_RUN: i32 = 1;
 const EXIT_INVALID_CONFIG: i32 = 2;
 
 fn main() {
-    // `lameduck await` handles the signals of the command it runs, and installs its own.
-    if std::env::args_os()
-        .nth(1)
-        .is_some_and(|first| first == "await")
-    {
-        let code = match Cli::try_parse() {
-            Ok(Cli {
-                command: Some(Command::Await(args)),
-                ..
-            }) => wrapper::run(args, process_env),
-            Ok(_) => unreachable!("the first argument names the await command"),
-            Err(error) => error.exit(),
-        };
-        std::process::exit(code);
+    // The other commands keep the default signal dispositions (`await` installs its own).
+    let first = std::env::args_os().nth(1);
+    let tool = first.as_deref().and_then(|arg| arg.to_str());
+    if tool.is_some_and(|arg| matches!(arg, "await" | "inject" | "copy-binary")) {
+        std::process::exit(run_tool());
     }
     // Signal handlers first, before configuration is read or a socket bound: as PID 1 a
     // SIGTERM that arrives while starting up would otherwise be lost.
@@ -78,7 +95,9 @@ fn main() {
     };
     let args = match cli.command {
         Some(Command::Proxy(args)) => args,
-        Some(Command::Await(_)) => unreachable!("dispatched before the proxy's signal handlers"),
+        Some(Command::Await(_) | Command::Inject(_) | Command::CopyBinary { .. }) => {
+            unreachable!("dispatched before the proxy's signal handlers")
+        }
         None => cli.proxy,
     };
     let config = match Config::from_sources(args, process_env) {
@@ -98,6 +117,80 @@ fn main() {
     });
     // Exit without waiting for the runtime's tasks: the lifecycle has finished them or reset them.
     std::process::exit(code);
+}
+
+/// `await`, `inject` and `copy-binary`; returns the exit status.
+fn run_tool() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => error.exit(),
+    };
+    match cli.command {
+        Some(Command::Await(args)) => wrapper::run(args, process_env),
+        Some(Command::Inject(args)) => run_inject(args),
+        Some(Command::CopyBinary { path }) => copy_binary(&path),
+        _ => unreachable!("the first argument names a tool command"),
+    }
+}
+
+/// `lameduck inject`: 0 when written, 2 for input that cannot be injected, 1 when the input
+/// cannot be read.
+fn run_inject(args: InjectArgs) -> i32 {
+    let native_sidecar = match args.native_sidecar.as_str() {
+        "true" => true,
+        "false" => false,
+        other => {
+            eprintln!(
+                "lameduck inject: invalid value {other:?} for --native-sidecar; for example true or false"
+            );
+            return EXIT_INVALID_CONFIG;
+        }
+    };
+    let input = match args.file.as_str() {
+        "-" => std::io::read_to_string(std::io::stdin()),
+        path => std::fs::read_to_string(path),
+    };
+    let input = match input {
+        Ok(input) => input,
+        Err(error) => {
+            eprintln!("lameduck inject: cannot read {}: {error}", args.file);
+            return EXIT_CANNOT_RUN;
+        }
+    };
+    let options = inject::InjectOptions {
+        image: args.image,
+        native_sidecar,
+    };
+    match inject::inject(&input, &options) {
+        Ok(injected) => {
+            for note in &injected.notes {
+                eprintln!("lameduck inject: {note}");
+            }
+            print!("{}", injected.yaml);
+            0
+        }
+        Err(error) => {
+            eprintln!("lameduck inject: {error}");
+            EXIT_INVALID_CONFIG
+        }
+    }
+}
+
+fn copy_binary(path: &std::path::Path) -> i32 {
+    use std::os::unix::fs::PermissionsExt;
+    let copied = std::env::current_exe()
+        .and_then(|me| std::fs::copy(me, path))
+        .and_then(|_| std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)));
+    match copied {
+        Ok(()) => 0,
+        Err(error) => {
+            eprintln!(
+                "lameduck copy-binary: cannot copy to {}: {error}",
+                path.display()
+            );
+            EXIT_CANNOT_RUN
+        }
+    }
 }
 
 fn exit_with(code: i32, message: &str) -> ! {

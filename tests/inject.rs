@@ -1,0 +1,385 @@
+//! `lameduck inject` on the real binary: golden files over every workload kind in both modes
+//! and every annotation, bad annotations, idempotency, and every output document checked
+//! against the Kubernetes API types (k8s-openapi), not only against our own expectations.
+//!
+//! `LAMEDUCK_UPDATE_GOLDEN=1 cargo test --test inject` rewrites the golden files; review the diff.
+
+mod support;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use support::BIN;
+
+fn dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/inject")
+}
+
+/// Runs `lameduck inject` on `input`; returns (status code, stdout, stderr).
+fn inject(input: &str, args: &[&str]) -> (i32, String, String) {
+    let mut child = Command::new(BIN)
+        .arg("inject")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8(output.stdout).unwrap(),
+        String::from_utf8(output.stderr).unwrap(),
+    )
+}
+
+/// Injects `input` with `args` and compares with the golden file `expected`.
+fn golden(input: &Path, args: &[&str], expected: &Path) -> (String, String) {
+    let (code, out, err) = inject(&std::fs::read_to_string(input).unwrap(), args);
+    assert_eq!(code, 0, "{err}");
+    if std::env::var_os("LAMEDUCK_UPDATE_GOLDEN").is_some() {
+        std::fs::write(expected, &out).unwrap();
+    }
+    let want = std::fs::read_to_string(expected).unwrap_or_default();
+    assert!(
+        out == want,
+        "{} differs from {}:\n{out}",
+        input.display(),
+        expected.display()
+    );
+    check_schema(&out);
+    assert_idempotent(&out, args);
+    (out, err)
+}
+
+fn assert_idempotent(injected: &str, args: &[&str]) {
+    let (code, again, err) = inject(injected, args);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(again, injected, "injecting an injected manifest changed it");
+}
+
+/// Every document deserializes into its Kubernetes API type and serializes back to the same
+/// JSON: no misplaced field (it would be dropped), no wrong type (it would not parse).
+fn check_schema(yaml: &str) {
+    use serde::Deserialize;
+    for document in serde_norway::Deserializer::from_str(yaml) {
+        let value = serde_norway::Value::deserialize(document).unwrap();
+        check_document(serde_json::to_value(&value).unwrap());
+    }
+}
+
+fn check_document(json: serde_json::Value) {
+    use k8s_openapi::api::{apps::v1 as apps, batch::v1 as batch, core::v1 as core};
+    let kind = json["kind"].as_str().unwrap_or_default().to_string();
+    match kind.as_str() {
+        "List" => json["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .cloned()
+            .for_each(check_document),
+        "Pod" => roundtrip::<core::Pod>(&json),
+        "Service" => roundtrip::<core::Service>(&json),
+        "ConfigMap" => roundtrip::<core::ConfigMap>(&json),
+        "ReplicationController" => roundtrip::<core::ReplicationController>(&json),
+        "Deployment" => roundtrip::<apps::Deployment>(&json),
+        "StatefulSet" => roundtrip::<apps::StatefulSet>(&json),
+        "DaemonSet" => roundtrip::<apps::DaemonSet>(&json),
+        "ReplicaSet" => roundtrip::<apps::ReplicaSet>(&json),
+        "Job" => roundtrip::<batch::Job>(&json),
+        "CronJob" => roundtrip::<batch::CronJob>(&json),
+        other => panic!("no API type for kind {other:?}"),
+    }
+}
+
+fn roundtrip<T: DeserializeOwned + Serialize>(json: &serde_json::Value) {
+    let typed: T = serde_json::from_value(json.clone())
+        .unwrap_or_else(|error| panic!("not a valid {}: {error}\n{json:#}", json["kind"]));
+    let mut back = serde_json::to_value(&typed).unwrap();
+    drop_added_type_fields(&mut back, json);
+    assert_eq!(
+        &back, json,
+        "fields the Kubernetes API does not know were written"
+    );
+}
+
+/// k8s-openapi writes `apiVersion` and `kind` on nested resources (such as
+/// `volumeClaimTemplates`) where the input has none; only those additions are ignored.
+fn drop_added_type_fields(back: &mut serde_json::Value, original: &serde_json::Value) {
+    match (back, original) {
+        (serde_json::Value::Object(back), serde_json::Value::Object(original)) => {
+            for key in ["apiVersion", "kind"] {
+                if !original.contains_key(key) {
+                    back.remove(key);
+                }
+            }
+            for (key, value) in back.iter_mut() {
+                if let Some(original) = original.get(key) {
+                    drop_added_type_fields(value, original);
+                }
+            }
+        }
+        (serde_json::Value::Array(back), serde_json::Value::Array(original)) => {
+            for (value, original) in back.iter_mut().zip(original) {
+                drop_added_type_fields(value, original);
+            }
+        }
+        _ => {}
+    }
+}
+
+fn proxy_env(doc: &str, name: &str) -> Option<String> {
+    let at = doc.find(&format!("name: {name}\n"))?;
+    let rest = &doc[at..];
+    let value = rest.lines().nth(1)?.trim().strip_prefix("value: ")?;
+    Some(value.trim_matches('\'').trim_matches('"').to_string())
+}
+
+#[test]
+fn every_workload_kind_as_native_sidecar() {
+    let (out, err) = golden(
+        &dir().join("workloads.yaml"),
+        &[],
+        &dir().join("workloads.native.out.yaml"),
+    );
+    assert_eq!(
+        out.matches("name: lameduck-proxy").count(),
+        8,
+        "one proxy per pod template, none for the opted-out"
+    );
+    assert_eq!(out.matches("restartPolicy: Always").count(), 8);
+    assert!(
+        !err.contains("Pod tools/debug"),
+        "60s already covers 20s + margin: {err}"
+    );
+    assert!(
+        err.contains("CronJob default/nightly: raised terminationGracePeriodSeconds from 30 to 50"),
+        "{err}"
+    );
+}
+
+#[test]
+fn every_workload_kind_in_legacy_mode() {
+    let (out, err) = golden(
+        &dir().join("workloads.yaml"),
+        &["--native-sidecar=false"],
+        &dir().join("workloads.legacy.out.yaml"),
+    );
+    assert!(!out.contains("restartPolicy: Always"));
+    // Jobs: the app is wrapped, the binary handed over, the endpoint enabled.
+    assert!(
+        out.contains("- /lameduck/lameduck\n") && out.contains("- /migrate\n"),
+        "{out}"
+    );
+    assert_eq!(
+        out.matches("name: lameduck-install").count(),
+        2,
+        "Job and CronJob get the install step"
+    );
+    assert!(
+        err.contains("container uploader has no explicit command"),
+        "{err}"
+    );
+}
+
+#[test]
+fn every_annotation_takes_effect() {
+    let (out, err) = golden(
+        &dir().join("annotations.yaml"),
+        &[],
+        &dir().join("annotations.out.yaml"),
+    );
+    let docs: Vec<&str> = out.split("\n---\n").collect();
+    assert_eq!(
+        proxy_env(docs[0], "LAMEDUCK_SHUTDOWN_GRACE_PERIOD").as_deref(),
+        Some("90s"),
+        "ours wins over Linkerd's"
+    );
+    assert_eq!(
+        proxy_env(docs[0], "LAMEDUCK_LAME_DUCK_PERIOD").as_deref(),
+        Some("5s")
+    );
+    assert!(
+        docs[0].contains("terminationGracePeriodSeconds: 300"),
+        "never lowered"
+    );
+    assert_eq!(
+        proxy_env(docs[1], "LAMEDUCK_INBOUND").as_deref(),
+        Some("0.0.0.0:4143=127.0.0.1:8080,0.0.0.0:4144=127.0.0.1:9090")
+    );
+    assert_eq!(
+        proxy_env(docs[1], "LAMEDUCK_SHUTDOWN_ENDPOINT").as_deref(),
+        Some("true")
+    );
+    assert!(
+        docs[2].contains("containers:\n") && !docs[2].contains("restartPolicy: Always"),
+        "native-sidecar: disabled"
+    );
+    assert_eq!(
+        proxy_env(docs[2], "LAMEDUCK_SHUTDOWN_GRACE_PERIOD").as_deref(),
+        Some("2s"),
+        "4s pod budget minus margin"
+    );
+    assert_eq!(
+        proxy_env(docs[2], "LAMEDUCK_SHUTDOWN_ENDPOINT").as_deref(),
+        Some("false")
+    );
+    assert!(!docs[3].contains("lameduck-proxy"), "inject: disabled");
+    assert!(err.is_empty(), "{err}");
+}
+
+#[test]
+fn derived_grace_period_stays_inside_the_pod_budget() {
+    let (_, out, _) = inject(
+        &std::fs::read_to_string(dir().join("workloads.yaml")).unwrap(),
+        &[],
+    );
+    let docs: Vec<&str> = out.split("\n---\n").collect();
+    // Deployment shop/web: default 30s budget → 25s; StatefulSet db: 120s → 115s.
+    assert_eq!(
+        proxy_env(docs[1], "LAMEDUCK_SHUTDOWN_GRACE_PERIOD").as_deref(),
+        Some("25s")
+    );
+    assert_eq!(
+        proxy_env(docs[2], "LAMEDUCK_SHUTDOWN_GRACE_PERIOD").as_deref(),
+        Some("115s")
+    );
+}
+
+#[test]
+fn bad_annotations_exit_2_naming_object_annotation_and_value() {
+    let cases = [
+        ("lameduck.io/shutdown-grace-period", "10", "needs a unit"),
+        ("lameduck.io/shutdown-grace-period", "-5s", "negative"),
+        ("lameduck.io/shutdown-grace-period", "3d", "maximum"),
+        ("config.linkerd.io/shutdown-grace-period", "soon", "soon"),
+        (
+            "lameduck.io/lame-duck-period",
+            "10m",
+            "longer than the shutdown grace period",
+        ),
+        (
+            "lameduck.io/shutdown-endpoint",
+            "maybe",
+            "enabled or disabled",
+        ),
+        ("lameduck.io/inject", "yes please", "enabled or disabled"),
+        (
+            "lameduck.io/native-sidecar",
+            "sometimes",
+            "enabled or disabled",
+        ),
+        ("lameduck.io/inbound-ports", "http", "8080,9090"),
+        ("lameduck.io/inbound-ports", "0", "8080,9090"),
+        (
+            "lameduck.io/shutdown-grace-perod",
+            "90s",
+            "unknown annotation",
+        ),
+    ];
+    for (annotation, value, reason) in cases {
+        let input = format!(
+            "apiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: broken, namespace: team}}\nspec:\n  selector: {{matchLabels: {{app: x}}}}\n  template:\n    metadata:\n      annotations:\n        {annotation}: \"{value}\"\n    spec:\n      containers: [{{name: app, image: app:1}}]\n"
+        );
+        let (code, out, err) = inject(&input, &[]);
+        assert_eq!(code, 2, "{annotation}={value}: {err}");
+        assert!(out.is_empty(), "nothing is written on error");
+        assert!(err.contains("Deployment team/broken"), "{err}");
+        assert!(err.contains(annotation), "{err}");
+        assert!(err.contains(reason), "{annotation}={value}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    let (code, _, err) = inject("kind: Deployment\nspec: [not, a, map\n", &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("invalid YAML"), "{err}");
+    let (code, _, err) = inject("", &["--native-sidecar=perhaps"]);
+    assert_eq!(code, 2, "{err}");
+}
+
+#[test]
+fn examples_are_kept_in_sync_with_their_injected_forms() {
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("docker/examples");
+    for (name, args) in [
+        ("deployment", &[][..]),
+        ("job", &[][..]),
+        ("cronjob", &[][..]),
+        ("job", &["--native-sidecar=false"][..]),
+    ] {
+        let suffix = if args.is_empty() {
+            "injected"
+        } else {
+            "legacy.injected"
+        };
+        golden(
+            &examples.join(format!("{name}.yaml")),
+            args,
+            &examples.join(format!("{name}.{suffix}.yaml")),
+        );
+    }
+}
+
+#[test]
+fn the_image_matches_what_inject_expects() {
+    let dockerfile =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docker/Dockerfile"))
+            .unwrap();
+    assert!(
+        dockerfile.contains("RUN cargo build --release --locked --bin lameduck"),
+        "the image builds the tested release binary"
+    );
+    assert!(
+        dockerfile.contains("ENTRYPOINT [\"/usr/local/bin/lameduck\"]"),
+        "legacy injection runs /usr/local/bin/lameduck copy-binary"
+    );
+    assert!(dockerfile.contains("STOPSIGNAL SIGTERM"));
+    assert!(
+        dockerfile.contains("USER 65532:65532"),
+        "inject sets runAsUser 65532"
+    );
+    assert!(dockerfile.contains("EXPOSE 4143 4140 4191"));
+    for line in dockerfile
+        .lines()
+        .filter(|line| line.starts_with("COPY ") && !line.contains("--from"))
+    {
+        for path in line
+            .split_whitespace()
+            .skip(1)
+            .take_while(|part| !part.ends_with('/'))
+        {
+            assert!(
+                Path::new(env!("CARGO_MANIFEST_DIR")).join(path).exists(),
+                "the Dockerfile copies missing {path}"
+            );
+        }
+    }
+}
+
+#[test]
+fn copy_binary_hands_over_a_working_executable() {
+    let dir = std::env::temp_dir().join(format!("lameduck-copy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let target = dir.join("lameduck");
+    let status = Command::new(BIN)
+        .arg("copy-binary")
+        .arg(&target)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let help = Command::new(&target)
+        .arg("await")
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(help.status.success() && String::from_utf8_lossy(&help.stdout).contains("--shutdown"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
