@@ -1,0 +1,939 @@
+//! Side-by-side benchmark of lameduck against no proxy, HAProxy and nginx (issue 6).
+//!
+//! `cargo bench --bench proxy` runs every workload with every installed subject, several
+//! repetitions each, and writes a markdown table and JSON to `target/bench/`.
+//! `cargo bench --bench proxy -- --quick` runs about a second per workload, lameduck and no
+//! proxy only (what `.ci/run` does, so the harness cannot rot).
+//!
+//! Method: the proxy under test is pinned to CPU 0; the load generator (wrk, h2load, or this
+//! harness's own clients) and the target server are pinned to CPU 1. Proxy CPU time comes from
+//! /proc/PID/stat. Peers that are not installed are reported as skipped, never faked.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_lameduck");
+const PROXY_CPU: usize = 0;
+const LOAD_CPU: usize = 1;
+/// Debian's nginx loads its stream module from here (package libnginx-mod-stream).
+const NGINX_STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.so";
+
+#[derive(Clone, Copy)]
+struct Plan {
+    quick: bool,
+    seconds: u64,
+    reps: usize,
+    idle_connections: usize,
+}
+
+/// One measured number.
+#[derive(Clone, Debug)]
+struct Sample {
+    workload: &'static str,
+    subject: &'static str,
+    metric: &'static str,
+    unit: &'static str,
+    /// Higher is better (throughput) or lower is better (latency, CPU, memory, time).
+    higher_is_better: bool,
+    values: Vec<f64>,
+}
+
+impl Sample {
+    fn median(&self) -> f64 {
+        let mut sorted = self.values.clone();
+        sorted.sort_by(|a, b| a.total_cmp(b));
+        sorted[sorted.len() / 2]
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Subject {
+    Direct,
+    Lameduck,
+    HaproxyHttp,
+    HaproxyTcp,
+    NginxHttp,
+    NginxStream,
+}
+
+impl Subject {
+    fn name(self) -> &'static str {
+        match self {
+            Subject::Direct => "no proxy",
+            Subject::Lameduck => "lameduck",
+            Subject::HaproxyHttp => "haproxy http",
+            Subject::HaproxyTcp => "haproxy tcp",
+            Subject::NginxHttp => "nginx http",
+            Subject::NginxStream => "nginx stream",
+        }
+    }
+
+    fn program(self) -> Option<&'static str> {
+        match self {
+            Subject::HaproxyHttp | Subject::HaproxyTcp => Some("haproxy"),
+            Subject::NginxHttp | Subject::NginxStream => Some("nginx"),
+            _ => None,
+        }
+    }
+}
+
+const HTTP_SUBJECTS: [Subject; 4] = [
+    Subject::Direct,
+    Subject::Lameduck,
+    Subject::HaproxyHttp,
+    Subject::NginxHttp,
+];
+const TCP_SUBJECTS: [Subject; 4] = [
+    Subject::Direct,
+    Subject::Lameduck,
+    Subject::HaproxyTcp,
+    Subject::NginxStream,
+];
+
+fn main() {
+    let quick = std::env::args().any(|arg| arg == "--quick");
+    let plan = match quick {
+        true => Plan {
+            quick,
+            seconds: 1,
+            reps: 1,
+            idle_connections: 500,
+        },
+        false => Plan {
+            quick,
+            seconds: 5,
+            reps: 3,
+            idle_connections: 10_000,
+        },
+    };
+    raise_fd_limit(65_536);
+    let out_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let target = Target::start();
+    let mut samples = Vec::new();
+    let mut skipped = Vec::new();
+    let mut subjects = |all: [Subject; 4]| -> Vec<Subject> {
+        all.into_iter()
+            .filter(|subject| !plan.quick || matches!(subject, Subject::Direct | Subject::Lameduck))
+            .filter(|subject| match subject.program() {
+                Some(program) if !installed(program) => {
+                    skipped.push(format!("{} (not installed)", subject.name()));
+                    false
+                }
+                _ if *subject == Subject::NginxStream
+                    && !Path::new(NGINX_STREAM_MODULE).exists() =>
+                {
+                    skipped.push("nginx stream (libnginx-mod-stream not installed)".into());
+                    false
+                }
+                _ => true,
+            })
+            .collect()
+    };
+    let http_subjects = subjects(HTTP_SUBJECTS);
+    let tcp_subjects = subjects(TCP_SUBJECTS);
+    skipped.dedup();
+
+    for &subject in &http_subjects {
+        let mut proxy = Running::start(subject, &target, false, &out_dir);
+        if installed("wrk") {
+            samples.extend(h1_keepalive(&plan, subject, &proxy));
+            samples.extend(h1_new_connections(&plan, subject, &proxy));
+        }
+        if installed("h2load") {
+            samples.extend(h2_multiplexed(&plan, subject, &proxy));
+        }
+        samples.extend(idle_memory(&plan, subject, &proxy, true));
+        proxy.stop();
+    }
+    for &subject in &tcp_subjects {
+        let mut proxy = Running::start(subject, &target, true, &out_dir);
+        samples.extend(tcp_bulk(&plan, subject, &proxy, &target));
+        samples.extend(idle_memory(&plan, subject, &proxy, false));
+        proxy.stop();
+    }
+    samples.extend(lifecycle(&plan, &target, &out_dir));
+    for tool in ["wrk", "h2load"] {
+        if !installed(tool) {
+            skipped.push(format!("{tool} workloads ({tool} not installed)"));
+        }
+    }
+
+    let report = report(&samples, &skipped, &plan);
+    println!("{report}");
+    std::fs::write(out_dir.join("results.md"), &report).unwrap();
+    std::fs::write(out_dir.join("results.json"), json(&samples)).unwrap();
+    let measured = samples.iter().filter(|s| s.subject == "lameduck").count();
+    assert!(measured > 0, "nothing was measured for lameduck");
+    // The plain closing line CI reads.
+    println!("bench: {} passed, 0 failed", samples.len());
+}
+
+// ---------------------------------------------------------------- the target and subjects
+
+/// The app behind the proxies: an HTTP/1.1 + HTTP/2 server answering `ok`, a TCP sink that
+/// counts what it receives, and a TCP listener that holds connections open. Pinned to CPU 1.
+struct Target {
+    http: SocketAddr,
+    sink: SocketAddr,
+    hold: SocketAddr,
+    sunk: Arc<AtomicU64>,
+}
+
+impl Target {
+    fn start() -> Target {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sunk = Arc::new(AtomicU64::new(0));
+        let counter = sunk.clone();
+        thread::spawn(move || {
+            pin_current_thread(LOAD_CPU);
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                use tokio::io::AsyncReadExt;
+                let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let sink = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let hold = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                tx.send((
+                    http.local_addr().unwrap(),
+                    sink.local_addr().unwrap(),
+                    hold.local_addr().unwrap(),
+                ))
+                .unwrap();
+                tokio::spawn(async move {
+                    loop {
+                        let Ok((stream, _)) = sink.accept().await else {
+                            continue;
+                        };
+                        let counter = counter.clone();
+                        tokio::spawn(async move {
+                            let mut stream = stream;
+                            let mut buf = vec![0u8; 256 * 1024];
+                            while let Ok(n) = stream.read(&mut buf).await {
+                                if n == 0 {
+                                    break;
+                                }
+                                counter.fetch_add(n as u64, Ordering::Relaxed);
+                            }
+                        });
+                    }
+                });
+                tokio::spawn(async move {
+                    let mut held = Vec::new();
+                    loop {
+                        if let Ok((stream, _)) = hold.accept().await {
+                            held.push(stream);
+                        }
+                    }
+                });
+                loop {
+                    let Ok((stream, _)) = http.accept().await else {
+                        continue;
+                    };
+                    let _ = stream.set_nodelay(true);
+                    tokio::spawn(async move {
+                        let service = hyper::service::service_fn(|_request| async {
+                            Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                                http_body_util::Full::new(bytes::Bytes::from_static(b"ok")),
+                            ))
+                        });
+                        let _ = hyper_util::server::conn::auto::Builder::new(
+                            hyper_util::rt::TokioExecutor::new(),
+                        )
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                    });
+                }
+            });
+        });
+        let (http, sink, hold) = rx.recv().unwrap();
+        Target {
+            http,
+            sink,
+            hold,
+            sunk,
+        }
+    }
+}
+
+/// A subject serving on `addr` (HTTP/1 and auto) and `h2` (HTTP/2 prior knowledge).
+struct Running {
+    child: Option<Child>,
+    addr: SocketAddr,
+    h2: SocketAddr,
+}
+
+impl Running {
+    /// Starts `subject` in front of the target's HTTP server (or TCP sink and hold listener).
+    fn start(subject: Subject, target: &Target, tcp: bool, dir: &Path) -> Running {
+        let forward = if tcp { target.sink } else { target.http };
+        if subject == Subject::Direct {
+            return Running {
+                child: None,
+                addr: forward,
+                h2: forward,
+            };
+        }
+        let (addr, h2) = (free_port(), free_port());
+        let mut command = match subject {
+            Subject::Lameduck => {
+                let mut command = Command::new(BIN);
+                let suffix = if tcp { "/tcp" } else { "" };
+                command.args([
+                    "--inbound",
+                    &format!("{addr}={forward}{suffix}"),
+                    "--log",
+                    "warn",
+                ]);
+                command.args(["--inbound", &format!("{h2}={forward}{suffix}")]);
+                command.args(["--admin", &free_port().to_string()]);
+                command
+            }
+            Subject::HaproxyHttp | Subject::HaproxyTcp => {
+                let template = if tcp {
+                    "haproxy-tcp.cfg"
+                } else {
+                    "haproxy-http.cfg"
+                };
+                let config = render(dir, template, addr, h2, forward);
+                let mut command = Command::new("haproxy");
+                command.args(["-db", "-f"]).arg(config);
+                command
+            }
+            Subject::NginxHttp | Subject::NginxStream => {
+                let template = if tcp {
+                    "nginx-stream.conf"
+                } else {
+                    "nginx-http.conf"
+                };
+                let config = render(dir, template, addr, h2, forward);
+                let mut command = Command::new("nginx");
+                command.arg("-c").arg(config).arg("-p").arg(dir);
+                command
+            }
+            Subject::Direct => unreachable!(),
+        };
+        pin(&mut command, PROXY_CPU);
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(addr).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "{} did not start",
+                subject.name()
+            );
+            thread::sleep(Duration::from_millis(5));
+        }
+        Running {
+            child: Some(child),
+            addr,
+            h2,
+        }
+    }
+
+    fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(|child| child.id() as i32)
+    }
+
+    fn cpu(&self) -> Duration {
+        self.pid().map_or(Duration::ZERO, cpu_time)
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn render(
+    dir: &Path,
+    template: &str,
+    listen: SocketAddr,
+    h2: SocketAddr,
+    target: SocketAddr,
+) -> PathBuf {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("benches")
+            .join(template),
+    )
+    .unwrap();
+    let text = text
+        .replace("{LISTEN_H1}", &listen.to_string())
+        .replace(
+            "{LISTEN}",
+            &if template.starts_with("haproxy-tcp") || template.starts_with("nginx-stream") {
+                listen
+            } else {
+                h2
+            }
+            .to_string(),
+        )
+        .replace("{TARGET}", &target.to_string())
+        .replace("{DIR}", &dir.display().to_string());
+    let path = dir.join(template);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+// ---------------------------------------------------------------- workloads
+
+fn h1_keepalive(plan: &Plan, subject: Subject, proxy: &Running) -> Vec<Sample> {
+    let mut rps = sample("http1 keep-alive", subject, "requests/s", "req/s", true);
+    let mut p50 = sample("http1 keep-alive", subject, "latency p50", "µs", false);
+    let mut p99 = sample("http1 keep-alive", subject, "latency p99", "µs", false);
+    let mut p999 = sample("http1 keep-alive", subject, "latency p99.9", "µs", false);
+    let mut cpu = sample(
+        "http1 keep-alive",
+        subject,
+        "proxy CPU per request",
+        "µs",
+        false,
+    );
+    for _ in 0..plan.reps {
+        let before = proxy.cpu();
+        let run = wrk(plan, proxy.addr, &[]);
+        rps.values.push(run.requests as f64 / run.seconds);
+        p50.values.push(run.p50);
+        p99.values.push(run.p99);
+        p999.values.push(run.p999);
+        cpu.values
+            .push((proxy.cpu() - before).as_secs_f64() * 1e6 / run.requests.max(1) as f64);
+    }
+    let mut samples = vec![rps, p50, p99, p999];
+    if subject != Subject::Direct {
+        samples.push(cpu);
+    }
+    samples
+}
+
+fn h1_new_connections(plan: &Plan, subject: Subject, proxy: &Running) -> Vec<Sample> {
+    let mut cps = sample(
+        "http1 new connection per request",
+        subject,
+        "connections/s",
+        "conn/s",
+        true,
+    );
+    for _ in 0..plan.reps {
+        let run = wrk(plan, proxy.addr, &["-H", "Connection: close"]);
+        cps.values.push(run.requests as f64 / run.seconds);
+    }
+    vec![cps]
+}
+
+struct WrkRun {
+    requests: u64,
+    seconds: f64,
+    p50: f64,
+    p99: f64,
+    p999: f64,
+}
+
+fn wrk(plan: &Plan, addr: SocketAddr, extra: &[&str]) -> WrkRun {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/percentiles.lua");
+    let mut command = Command::new("wrk");
+    command
+        .args(["-t1", "-c32", &format!("-d{}s", plan.seconds), "-s"])
+        .arg(&script)
+        .args(extra)
+        .arg(format!("http://{addr}/"));
+    pin(&mut command, LOAD_CPU);
+    let output = command.output().expect("run wrk");
+    let text = String::from_utf8_lossy(&output.stdout);
+    let line = text
+        .lines()
+        .find(|line| line.starts_with("BENCH "))
+        .unwrap_or_else(|| panic!("wrk said:\n{text}"));
+    let field = |name: &str| -> f64 {
+        line.split_whitespace()
+            .find_map(|part| part.strip_prefix(&format!("{name}=")))
+            .and_then(|value| value.parse().ok())
+            .unwrap_or(0.0)
+    };
+    WrkRun {
+        requests: field("requests") as u64,
+        seconds: plan.seconds as f64,
+        p50: field("p50"),
+        p99: field("p99"),
+        p999: field("p999"),
+    }
+}
+
+fn h2_multiplexed(plan: &Plan, subject: Subject, proxy: &Running) -> Vec<Sample> {
+    let mut rps = sample("http2 multiplexed", subject, "requests/s", "req/s", true);
+    let mut cpu = sample(
+        "http2 multiplexed",
+        subject,
+        "proxy CPU per request",
+        "µs",
+        false,
+    );
+    for _ in 0..plan.reps {
+        let before = proxy.cpu();
+        let mut command = Command::new("h2load");
+        command.args([
+            "-c",
+            "8",
+            "-m",
+            "32",
+            "-D",
+            &plan.seconds.to_string(),
+            &format!("http://{}/", proxy.h2),
+        ]);
+        pin(&mut command, LOAD_CPU);
+        let output = command.output().expect("run h2load");
+        let text = String::from_utf8_lossy(&output.stdout);
+        let succeeded = text
+            .lines()
+            .find(|line| line.starts_with("requests:"))
+            .and_then(|line| line.split(',').find(|part| part.contains("succeeded")))
+            .and_then(|part| part.split_whitespace().next())
+            .and_then(|n| n.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        rps.values.push(succeeded / plan.seconds as f64);
+        cpu.values
+            .push((proxy.cpu() - before).as_secs_f64() * 1e6 / succeeded.max(1.0));
+    }
+    if subject == Subject::Direct {
+        vec![rps]
+    } else {
+        vec![rps, cpu]
+    }
+}
+
+fn tcp_bulk(plan: &Plan, subject: Subject, proxy: &Running, target: &Target) -> Vec<Sample> {
+    let mut gbps = sample("tcp bulk transfer", subject, "throughput", "Gbit/s", true);
+    let mut cpu = sample(
+        "tcp bulk transfer",
+        subject,
+        "proxy CPU per GB",
+        "ms",
+        false,
+    );
+    for _ in 0..plan.reps {
+        let before_cpu = proxy.cpu();
+        let before = target.sunk.load(Ordering::Relaxed);
+        let until = Instant::now() + Duration::from_secs(plan.seconds);
+        let addr = proxy.addr;
+        let writers: Vec<_> = (0..4)
+            .map(|_| {
+                thread::spawn(move || {
+                    pin_current_thread(LOAD_CPU);
+                    let mut stream = TcpStream::connect(addr).unwrap();
+                    let chunk = vec![0x5au8; 256 * 1024];
+                    while Instant::now() < until {
+                        if stream.write_all(&chunk).is_err() {
+                            break;
+                        }
+                    }
+                })
+            })
+            .collect();
+        let started = Instant::now();
+        for writer in writers {
+            writer.join().unwrap();
+        }
+        thread::sleep(Duration::from_millis(100));
+        let bytes = (target.sunk.load(Ordering::Relaxed) - before) as f64;
+        let seconds = started.elapsed().as_secs_f64();
+        gbps.values.push(bytes * 8.0 / seconds / 1e9);
+        cpu.values
+            .push((proxy.cpu() - before_cpu).as_secs_f64() * 1e3 / (bytes / 1e9).max(1e-9));
+    }
+    if subject == Subject::Direct {
+        vec![gbps]
+    } else {
+        vec![gbps, cpu]
+    }
+}
+
+/// Resident memory idle, and per open idle connection (HTTP/1 keep-alive after one request,
+/// or a TCP connection pair held open by the target).
+fn idle_memory(plan: &Plan, subject: Subject, proxy: &Running, http: bool) -> Vec<Sample> {
+    let Some(pid) = proxy.pid() else {
+        return Vec::new();
+    };
+    let workload = if http {
+        "memory, idle http1 keep-alive"
+    } else {
+        "memory, idle tcp connection pair"
+    };
+    let mut idle = sample(workload, subject, "resident idle", "KiB", false);
+    let mut per = sample(workload, subject, "per connection", "KiB", false);
+    // TCP subjects forward to the sink, which holds every connection open until the client closes.
+    let addr = proxy.addr;
+    thread::sleep(Duration::from_millis(200));
+    let before = rss_kib(pid);
+    idle.values.push(before as f64);
+    let mut held = Vec::with_capacity(plan.idle_connections);
+    for _ in 0..plan.idle_connections {
+        let Ok(mut stream) = TcpStream::connect(addr) else {
+            break;
+        };
+        if http {
+            let _ = stream.write_all(b"GET / HTTP/1.1\r\nHost: bench\r\n\r\n");
+            let mut buf = [0u8; 512];
+            let _ = stream.read(&mut buf);
+        }
+        held.push(stream);
+    }
+    thread::sleep(Duration::from_millis(500));
+    let after = rss_kib(pid);
+    per.values
+        .push((after.saturating_sub(before)) as f64 / held.len().max(1) as f64);
+    drop(held);
+    thread::sleep(Duration::from_millis(300));
+    vec![idle, per]
+}
+
+/// Start-up to `/ready`, and the shutdown times of CONTRACT section 3 (lameduck only).
+fn lifecycle(plan: &Plan, target: &Target, dir: &Path) -> Vec<Sample> {
+    let _ = dir;
+    let mut startup = sample(
+        "lifecycle",
+        Subject::Lameduck,
+        "start to /ready",
+        "ms",
+        false,
+    );
+    let mut idle_exit = sample(
+        "lifecycle",
+        Subject::Lameduck,
+        "SIGTERM to exit, idle",
+        "ms",
+        false,
+    );
+    let mut busy_exit = sample(
+        "lifecycle",
+        Subject::Lameduck,
+        "SIGTERM to exit, idle keep-alive connections",
+        "ms",
+        false,
+    );
+    let mut forced = sample(
+        "lifecycle",
+        Subject::Lameduck,
+        "force-close TCP connections at grace end",
+        "ms",
+        false,
+    );
+    for _ in 0..plan.reps.max(3) {
+        let (mut child, admin, _, started) = start_lameduck(target, &[]);
+        startup.values.push(started.as_secs_f64() * 1e3);
+        let sent = Instant::now();
+        signal(&child, libc::SIGTERM);
+        let _ = child.wait();
+        idle_exit.values.push(sent.elapsed().as_secs_f64() * 1e3);
+        let _ = admin;
+    }
+    for _ in 0..plan.reps {
+        let (mut child, _, inbound, _) = start_lameduck(target, &[]);
+        let held: Vec<TcpStream> = (0..plan.idle_connections)
+            .filter_map(|_| {
+                let mut stream = TcpStream::connect(inbound[0]).ok()?;
+                stream
+                    .write_all(b"GET / HTTP/1.1\r\nHost: bench\r\n\r\n")
+                    .ok()?;
+                let mut buf = [0u8; 512];
+                let _read = stream.read(&mut buf).ok()?;
+                Some(stream)
+            })
+            .collect();
+        let sent = Instant::now();
+        signal(&child, libc::SIGTERM);
+        let _ = child.wait();
+        busy_exit.values.push(sent.elapsed().as_secs_f64() * 1e3);
+        drop(held);
+
+        let grace = Duration::from_millis(500);
+        let (mut child, _, inbound, _) = start_lameduck(target, &["--shutdown-grace-period=500ms"]);
+        let held: Vec<TcpStream> = (0..plan.idle_connections)
+            .filter_map(|_| TcpStream::connect(inbound[1]).ok())
+            .collect();
+        thread::sleep(Duration::from_millis(300));
+        let sent = Instant::now();
+        signal(&child, libc::SIGTERM);
+        let _ = child.wait();
+        forced
+            .values
+            .push((sent.elapsed().saturating_sub(grace)).as_secs_f64() * 1e3);
+        drop(held);
+    }
+    vec![startup, idle_exit, busy_exit, forced]
+}
+
+/// Starts lameduck with an HTTP route and a TCP route to the hold listener; returns the child,
+/// its admin address, the inbound addresses and the time it took to answer `/ready` 200.
+fn start_lameduck(
+    target: &Target,
+    extra: &[&str],
+) -> (Child, SocketAddr, [SocketAddr; 2], Duration) {
+    let (http, tcp, admin) = (free_port(), free_port(), free_port());
+    let mut command = Command::new(BIN);
+    command
+        .args(["--inbound", &format!("{http}={}", target.http)])
+        .args(["--inbound", &format!("{tcp}={}/tcp", target.hold)])
+        .args(["--admin", &admin.to_string(), "--log", "warn"])
+        .args(extra);
+    pin(&mut command, PROXY_CPU);
+    let started = Instant::now();
+    let child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    loop {
+        if ready(admin) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "lameduck did not become ready"
+        );
+        thread::sleep(Duration::from_micros(200));
+    }
+    (child, admin, [http, tcp], started.elapsed())
+}
+
+fn ready(admin: SocketAddr) -> bool {
+    let Ok(mut stream) = TcpStream::connect(admin) else {
+        return false;
+    };
+    if stream
+        .write_all(b"GET /ready HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).is_ok() && &head[9..12] == b"200"
+}
+
+// ---------------------------------------------------------------- report
+
+fn sample(
+    workload: &'static str,
+    subject: Subject,
+    metric: &'static str,
+    unit: &'static str,
+    higher: bool,
+) -> Sample {
+    Sample {
+        workload,
+        subject: subject.name(),
+        metric,
+        unit,
+        higher_is_better: higher,
+        values: Vec::new(),
+    }
+}
+
+fn report(samples: &[Sample], skipped: &[String], plan: &Plan) -> String {
+    let mut out = String::new();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "lameduck bench ({} mode): {} s per run, {} repetition(s), median [min–max]; proxy pinned to CPU {PROXY_CPU}, load and target to CPU {LOAD_CPU}; {cpu}\n",
+        if plan.quick { "quick" } else { "full" },
+        plan.seconds,
+        plan.reps
+    );
+    let _ = writeln!(
+        out,
+        "| workload | metric | subject | value | vs no proxy | lameduck vs this |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|");
+    let mut groups: BTreeMap<(&str, &str), Vec<&Sample>> = BTreeMap::new();
+    for sample in samples.iter().filter(|s| !s.values.is_empty()) {
+        groups
+            .entry((sample.workload, sample.metric))
+            .or_default()
+            .push(sample);
+    }
+    for ((workload, metric), group) in &groups {
+        let direct = group
+            .iter()
+            .find(|s| s.subject == "no proxy")
+            .map(|s| s.median());
+        let ours = group
+            .iter()
+            .find(|s| s.subject == "lameduck")
+            .map(|s| s.median());
+        for sample in group {
+            let median = sample.median();
+            let min = sample.values.iter().copied().fold(f64::INFINITY, f64::min);
+            let max = sample
+                .values
+                .iter()
+                .copied()
+                .fold(f64::NEG_INFINITY, f64::max);
+            let vs_direct = direct
+                .filter(|_| sample.subject != "no proxy")
+                .map_or(String::new(), |d| format!("{:.2}×", median / d));
+            let vs_peer = ours
+                .filter(|_| !matches!(sample.subject, "lameduck" | "no proxy"))
+                .map_or(String::new(), |o| format!("{:.2}×", o / median));
+            let _ = writeln!(
+                out,
+                "| {workload} | {metric} ({}{}) | {} | {} [{}–{}] | {vs_direct} | {vs_peer} |",
+                sample.unit,
+                if sample.higher_is_better {
+                    ", higher is better"
+                } else {
+                    ""
+                },
+                sample.subject,
+                fmt(median),
+                fmt(min),
+                fmt(max),
+            );
+        }
+    }
+    if !skipped.is_empty() {
+        let _ = writeln!(out, "\nSkipped: {}.", skipped.join(", "));
+    }
+    out
+}
+
+fn fmt(value: f64) -> String {
+    if value >= 100.0 {
+        format!("{value:.0}")
+    } else if value >= 1.0 {
+        format!("{value:.2}")
+    } else {
+        format!("{value:.3}")
+    }
+}
+
+fn json(samples: &[Sample]) -> String {
+    let rows: Vec<serde_json::Value> = samples
+        .iter()
+        .map(|s| {
+            serde_json::json!({
+                "workload": s.workload, "subject": s.subject, "metric": s.metric, "unit": s.unit,
+                "higher_is_better": s.higher_is_better, "values": s.values,
+                "median": if s.values.is_empty() { None } else { Some(s.median()) },
+            })
+        })
+        .collect();
+    serde_json::to_string_pretty(&rows).unwrap()
+}
+
+// ---------------------------------------------------------------- system helpers
+
+fn installed(program: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn free_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+fn pin(command: &mut Command, cpu: usize) {
+    // SAFETY: sched_setaffinity is async-signal-safe and affects only the child.
+    unsafe {
+        command.pre_exec(move || {
+            set_affinity(cpu);
+            Ok(())
+        });
+    }
+}
+
+fn pin_current_thread(cpu: usize) {
+    set_affinity(cpu);
+}
+
+fn set_affinity(cpu: usize) {
+    let cpus = thread::available_parallelism().map_or(1, |n| n.get());
+    // SAFETY: the set is a plain bitmask on the stack, passed with its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu % cpus, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+fn raise_fd_limit(want: u64) {
+    // SAFETY: setrlimit reads one struct.
+    unsafe {
+        let limit = libc::rlimit {
+            rlim_cur: want,
+            rlim_max: want,
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+            let mut current = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut current);
+            current.rlim_cur = current.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &current);
+        }
+    }
+}
+
+fn signal(child: &Child, signal: i32) {
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc::kill(child.id() as i32, signal) };
+}
+
+fn cpu_time(pid: i32) -> Duration {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return Duration::ZERO;
+    };
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap_or(0) + 2..]
+        .split(' ')
+        .collect();
+    let ticks: u64 =
+        fields[11].parse::<u64>().unwrap_or(0) + fields[12].parse::<u64>().unwrap_or(0);
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Duration::from_micros(ticks * 1_000_000 / hz)
+}
+
+fn rss_kib(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .map(|v| v.trim().trim_end_matches(" kB").trim().parse().unwrap_or(0))
+        })
+        .unwrap_or(0)
+}
