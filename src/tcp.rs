@@ -8,13 +8,10 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -73,21 +70,17 @@ pub async fn pipe(
     conn: &Arc<Connection>,
     terminate: &CancellationToken,
 ) {
-    let mut client = Counted {
-        stream: client,
-        conn: conn.clone(),
-        side: Side::Peer,
-    };
-    let mut target = Counted {
-        stream: target,
-        conn: conn.clone(),
-        side: Side::Target,
-    };
+    let upstream = copy_one_way(&client, &target, &conn.bytes_from_peer, || {
+        conn.set_state(ConnState::PeerClosed)
+    });
+    let downstream = copy_one_way(&target, &client, &conn.bytes_to_peer, || {
+        conn.set_state(ConnState::TargetClosed)
+    });
     let outcome = tokio::select! {
         // The grace period ran out, or a second signal asked to stop now.
         _ = terminate.cancelled() => Err(io::Error::other("terminated by the shutdown")),
         // Both directions finished, or one of them failed.
-        copied = tokio::io::copy_bidirectional(&mut client, &mut target) => copied.map(|_| ()),
+        copied = async { tokio::try_join!(upstream, downstream) } => copied.map(|_| ()),
     };
     match outcome {
         Ok(()) => debug!(
@@ -97,8 +90,75 @@ pub async fn pipe(
         ),
         Err(error) => {
             debug!(%error, "resetting both sides");
-            reset(&client.stream);
-            reset(&target.stream);
+            reset(&client);
+            reset(&target);
+        }
+    }
+}
+
+/// Bytes moved per read: large enough for bulk transfers to need few system calls.
+const SCRATCH_SIZE: usize = 64 * 1024;
+
+thread_local! {
+    /// One read buffer per runtime thread, borrowed only inside a single poll: an idle
+    /// connection holds no buffer at all.
+    static SCRATCH: std::cell::RefCell<Box<[u8]>> =
+        std::cell::RefCell::new(vec![0u8; SCRATCH_SIZE].into_boxed_slice());
+}
+
+/// Copies `from` → `to` until `from` sends its FIN (passed on as a FIN to `to`) or either
+/// fails. Bytes that `to` cannot take at once are the only ones kept per connection, until
+/// they are written.
+async fn copy_one_way(
+    from: &TcpStream,
+    to: &TcpStream,
+    counter: &std::sync::atomic::AtomicU64,
+    on_eof: impl Fn(),
+) -> io::Result<()> {
+    let mut backlog: Vec<u8> = Vec::new();
+    loop {
+        from.readable().await?;
+        let read = SCRATCH.with(|scratch| -> io::Result<Option<usize>> {
+            let mut scratch = scratch.borrow_mut();
+            let n = match from.try_read(&mut scratch) {
+                Ok(n) => n,
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                Err(error) => return Err(error),
+            };
+            let mut written = 0;
+            while written < n {
+                match to.try_write(&scratch[written..n]) {
+                    Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                    Ok(w) => written += w,
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(error) => return Err(error),
+                }
+            }
+            backlog.extend_from_slice(&scratch[written..n]);
+            Ok(Some(n))
+        })?;
+        match read {
+            None => continue,
+            Some(0) => {
+                socket2::SockRef::from(to).shutdown(std::net::Shutdown::Write)?;
+                on_eof();
+                return Ok(());
+            }
+            Some(n) => counter.fetch_add(n as u64, Ordering::Relaxed),
+        };
+        // The receiver is slow: finish this chunk before reading more (backpressure).
+        let mut written = 0;
+        while written < backlog.len() {
+            to.writable().await?;
+            match to.try_write(&backlog[written..]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(w) => written += w,
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                Err(error) => return Err(error),
+            }
+        }
+        if !backlog.is_empty() {
+            backlog = Vec::new();
         }
     }
 }
@@ -168,63 +228,4 @@ async fn connect_once(target: &Target) -> Result<TcpStream, (ConnectFailure, io:
 /// Closes with RST instead of FIN when the socket is dropped.
 pub fn reset(stream: &TcpStream) {
     let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
-}
-
-#[derive(Clone, Copy)]
-enum Side {
-    Peer,
-    Target,
-}
-
-/// A stream that counts the bytes read from it into its connection, and records half-closes.
-struct Counted {
-    stream: TcpStream,
-    conn: Arc<Connection>,
-    side: Side,
-}
-
-impl AsyncRead for Counted {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let poll = Pin::new(&mut self.stream).poll_read(cx, buf);
-        let read = (buf.filled().len() - before) as u64;
-        if read > 0 {
-            let counter = match self.side {
-                Side::Peer => &self.conn.bytes_from_peer,
-                Side::Target => &self.conn.bytes_to_peer,
-            };
-            counter.fetch_add(read, Ordering::Relaxed);
-        }
-        poll
-    }
-}
-
-impl AsyncWrite for Counted {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let poll = Pin::new(&mut self.stream).poll_shutdown(cx);
-        if poll.is_ready() {
-            // Shutting down the write half of one side means the other side sent its FIN.
-            self.conn.set_state(match self.side {
-                Side::Target => ConnState::PeerClosed,
-                Side::Peer => ConnState::TargetClosed,
-            });
-        }
-        poll
-    }
 }
