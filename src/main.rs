@@ -67,10 +67,7 @@ fn main() {
     }
     // Signal handlers first, before configuration is read or a socket bound: as PID 1 a
     // SIGTERM that arrives while starting up would otherwise be lost.
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match runtime_builder().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => exit_with(
             EXIT_CANNOT_RUN,
@@ -190,6 +187,16 @@ fn copy_binary(path: &std::path::Path) -> i32 {
             );
             EXIT_CANNOT_RUN
         }
+    }
+}
+
+/// One thread when the process may use one CPU (a sidecar's usual limit: no cross-thread
+/// wake-ups on the hot path), else a worker per CPU. The CPU count honours affinity masks and
+/// cgroup CPU quotas.
+fn runtime_builder() -> tokio::runtime::Builder {
+    match std::thread::available_parallelism().map_or(1, |cpus| cpus.get()) {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
     }
 }
 

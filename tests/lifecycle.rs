@@ -549,3 +549,35 @@ fn sigterm_caught(pid: i32) -> bool {
     };
     u64::from_str_radix(mask.trim(), 16).is_ok_and(|mask| mask & (1 << (libc::SIGTERM - 1)) != 0)
 }
+
+#[test]
+fn single_cpu_proxy_runs_on_one_thread_and_drains() {
+    use std::os::unix::process::CommandExt;
+    let echo = EchoServer::start();
+    let mut cmd = command();
+    // SAFETY: sched_setaffinity only reads the set and affects only the child.
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(0, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            Ok(())
+        });
+    }
+    let mut proxy = Proxy::start_command(&mut cmd, &["--inbound", &echo.route("127.0.0.1:0")]);
+    let threads = std::fs::read_dir(format!("/proc/{}/task", proxy.pid()))
+        .unwrap()
+        .count();
+    assert_eq!(
+        threads, 1,
+        "one CPU: the current-thread runtime, no worker threads"
+    );
+    let mut held = echo_connect(proxy.inbound[0]);
+    proxy.signal(libc::SIGTERM);
+    wait_until("refused", PATIENCE, || {
+        try_connect(proxy.inbound[0]) == Attempt::Refused
+    });
+    echo_round_trip(&mut held, b"one thread still drains");
+    drop(held);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
