@@ -143,6 +143,9 @@ fn main() {
     let tcp_subjects = subjects(TCP_SUBJECTS);
     skipped.dedup();
 
+    // Start-up and shutdown first, while the harness holds no connections of earlier workloads
+    // (a full run left it holding thousands, and start-up then measured 85 ms instead of 4).
+    samples.extend(lifecycle(&plan, &target, &out_dir));
     for &subject in &http_subjects {
         let mut proxy = Running::start(subject, &target, false, &out_dir);
         if installed("wrk") {
@@ -161,7 +164,6 @@ fn main() {
         samples.extend(idle_memory(&plan, subject, &proxy, false));
         proxy.stop();
     }
-    samples.extend(lifecycle(&plan, &target, &out_dir));
     for tool in ["wrk", "h2load"] {
         if !installed(tool) {
             skipped.push(format!("{tool} workloads ({tool} not installed)"));

@@ -137,7 +137,7 @@ pub async fn handle(
     }
     in_flight.record_status(&ctx, response.status());
     Ok(response.map(|body| ProxyBody {
-        kind: Kind::Target(body),
+        payload: Payload::Stream(body),
         _in_flight: Some(in_flight),
     }))
 }
@@ -146,18 +146,18 @@ pub async fn handle(
 /// before answering (the keep-alive race) is sent once more, on a fresh connection, as RFC 9110
 /// section 9.2.2 allows. Anything else is never replayed.
 async fn send(
-    client: &Client<Connector, UpstreamBody>,
+    client: &Client<Connector, Payload>,
     request: Request<Incoming>,
 ) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
     let replay = replayable(&request).then(|| {
-        let mut copy = Request::new(UpstreamBody::Empty);
+        let mut copy = Request::new(Payload::Bytes(None));
         *copy.method_mut() = request.method().clone();
         *copy.uri_mut() = request.uri().clone();
         *copy.version_mut() = request.version();
         *copy.headers_mut() = request.headers().clone();
         copy
     });
-    let first = client.request(request.map(UpstreamBody::Client)).await;
+    let first = client.request(request.map(Payload::Stream)).await;
     match (first, replay) {
         (Err(error), Some(again)) if closed_before_response(&error) => {
             debug!(%error, "the target closed a pooled connection before answering; retrying once");
@@ -186,41 +186,6 @@ fn closed_before_response(error: &hyper_util::client::legacy::Error) -> bool {
         source = cause.source();
     }
     false
-}
-
-/// A request body towards the target: the client's, streamed, or none (a replay).
-pub enum UpstreamBody {
-    Client(Incoming),
-    Empty,
-}
-
-impl Body for UpstreamBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        match self.get_mut() {
-            UpstreamBody::Client(body) => Pin::new(body).poll_frame(cx),
-            UpstreamBody::Empty => Poll::Ready(None),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            UpstreamBody::Client(body) => body.is_end_stream(),
-            UpstreamBody::Empty => true,
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            UpstreamBody::Client(body) => body.size_hint(),
-            UpstreamBody::Empty => SizeHint::with_exact(0),
-        }
-    }
 }
 
 /// WebSocket-style upgrades (`Connection: upgrade` with `Upgrade`) and CONNECT.
@@ -326,7 +291,7 @@ fn error_response(
     in_flight: InFlight,
 ) -> Response<ProxyBody> {
     let mut response = Response::new(ProxyBody {
-        kind: Kind::Full(Some(Bytes::from(body))),
+        payload: Payload::Bytes(Some(Bytes::from(body))),
         _in_flight: None,
     });
     *response.status_mut() = status;
@@ -438,15 +403,48 @@ impl Drop for InFlight {
     }
 }
 
-/// A response body: the target's, streamed, or a short one of the proxy's own.
-pub struct ProxyBody {
-    kind: Kind,
-    _in_flight: Option<InFlight>,
+/// A body: one streamed from a peer, or a few bytes of the proxy's own (or none). Request
+/// bodies towards the target (a replay has none) and response bodies are both this.
+pub enum Payload {
+    Stream(Incoming),
+    Bytes(Option<Bytes>),
 }
 
-enum Kind {
-    Target(Incoming),
-    Full(Option<Bytes>),
+impl Body for Payload {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            Payload::Stream(body) => Pin::new(body).poll_frame(cx),
+            Payload::Bytes(bytes) => Poll::Ready(bytes.take().map(|bytes| Ok(Frame::data(bytes)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Payload::Stream(body) => body.is_end_stream(),
+            Payload::Bytes(bytes) => bytes.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Payload::Stream(body) => body.size_hint(),
+            Payload::Bytes(bytes) => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+            }
+        }
+    }
+}
+
+/// A response body, holding its request's [`InFlight`] until the body ends.
+pub struct ProxyBody {
+    payload: Payload,
+    _in_flight: Option<InFlight>,
 }
 
 impl Body for ProxyBody {
@@ -457,25 +455,14 @@ impl Body for ProxyBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        match &mut self.get_mut().kind {
-            Kind::Target(body) => Pin::new(body).poll_frame(cx),
-            Kind::Full(bytes) => Poll::Ready(bytes.take().map(|bytes| Ok(Frame::data(bytes)))),
-        }
+        Pin::new(&mut self.get_mut().payload).poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.kind {
-            Kind::Target(body) => body.is_end_stream(),
-            Kind::Full(bytes) => bytes.is_none(),
-        }
+        self.payload.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        match &self.kind {
-            Kind::Target(body) => body.size_hint(),
-            Kind::Full(bytes) => {
-                SizeHint::with_exact(bytes.as_ref().map_or(0, |bytes| bytes.len() as u64))
-            }
-        }
+        self.payload.size_hint()
     }
 }

@@ -21,7 +21,7 @@ use tokio::net::TcpStream;
 
 use crate::config::{Direction, Target};
 use crate::metrics::Metrics;
-use crate::proxy::UpstreamBody;
+use crate::proxy::Payload;
 use crate::tcp;
 
 /// How long an idle pooled connection to a target is kept.
@@ -29,8 +29,8 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// The pooled clients of one route.
 pub struct Upstream {
-    pub http1: Client<Connector, UpstreamBody>,
-    pub http2: Client<Connector, UpstreamBody>,
+    pub http1: Client<Connector, Payload>,
+    pub http2: Client<Connector, Payload>,
 }
 
 impl Upstream {

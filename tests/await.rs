@@ -6,7 +6,7 @@ mod support;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
@@ -100,7 +100,7 @@ fn command_for_await() -> Command {
 fn finish(mut cmd: Command) -> (ExitStatus, String, Duration) {
     let started = Instant::now();
     let mut child = cmd.stderr(Stdio::piped()).spawn().unwrap();
-    let status = wait_child(&mut child);
+    let status = wait_child(&mut child, PATIENCE);
     let mut stderr = String::new();
     child
         .stderr
@@ -109,20 +109,6 @@ fn finish(mut cmd: Command) -> (ExitStatus, String, Duration) {
         .read_to_string(&mut stderr)
         .unwrap();
     (status, stderr, started.elapsed())
-}
-
-fn wait_child(child: &mut Child) -> ExitStatus {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("lameduck await did not finish");
-        }
-        thread::sleep(Duration::from_millis(5));
-    }
 }
 
 #[test]
@@ -199,7 +185,7 @@ fn without_shutdown_the_command_replaces_the_wrapper() {
         .spawn()
         .unwrap();
     let pid = child.id();
-    let status = wait_child(&mut child);
+    let status = wait_child(&mut child, PATIENCE);
     let mut out = String::new();
     child
         .stdout
@@ -250,7 +236,7 @@ fn every_supervisor_signal_reaches_the_command() {
                 .any(|line| line == name)
         });
     }
-    assert_eq!(wait_child(&mut child).code(), Some(0));
+    assert_eq!(wait_child(&mut child, PATIENCE).code(), Some(0));
     assert_eq!(admin.count("POST /shutdown"), 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -393,7 +379,7 @@ fn as_pid_1_it_reaps_orphans() {
         zombies.is_empty(),
         "orphans left as zombies under PID 1: {zombies:?}"
     );
-    assert_eq!(wait_child(&mut child).code(), Some(0));
+    assert_eq!(wait_child(&mut child, PATIENCE).code(), Some(0));
     assert_eq!(admin.count("POST /shutdown"), 1);
 }
 

@@ -247,6 +247,21 @@ pub fn signal_pid(pid: i32, signal: i32) {
     );
 }
 
+/// Waits for `child` to exit; fails the test (killing it) after `limit`.
+pub fn wait_child(child: &mut Child, limit: Duration) -> ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the process did not exit within {limit:?}");
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Runs the binary to completion with `args` and extra environment; returns status, stderr and
 /// how long it ran.
 pub fn run_to_exit(
