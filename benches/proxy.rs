@@ -233,11 +233,15 @@ impl Target {
                     }
                 });
                 tokio::spawn(async move {
-                    let mut held = Vec::new();
                     loop {
-                        if let Ok((stream, _)) = hold.accept().await {
-                            held.push(stream);
-                        }
+                        let Ok((mut stream, _)) = hold.accept().await else {
+                            continue;
+                        };
+                        // Hold it open, silent, until the other side closes it.
+                        tokio::spawn(async move {
+                            let mut buf = [0u8; 64];
+                            while matches!(stream.read(&mut buf).await, Ok(n) if n > 0) {}
+                        });
                     }
                 });
                 loop {
@@ -599,6 +603,12 @@ fn idle_memory(plan: &Plan, subject: Subject, proxy: &Running, http: bool) -> Ve
         }
         held.push(stream);
     }
+    assert_eq!(
+        held.len(),
+        plan.idle_connections,
+        "{}: could not open every idle connection",
+        subject.name()
+    );
     thread::sleep(Duration::from_millis(500));
     let after = rss_kib(pid);
     per.values
