@@ -169,6 +169,7 @@ impl Bound {
             let handle = Arc::new(RouteHandle {
                 route: route.clone(),
                 upstream,
+                target_name: route.target.to_string(),
             });
             let tracker = &drain.side(route.direction).tracker;
             tracker.spawn(listener::accept_loop(bound, handle, shared.clone()));

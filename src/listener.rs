@@ -5,9 +5,10 @@
 //! the side's [`TaskTracker`](tokio_util::task::TaskTracker). It accepts only while the
 //! process is under its [`connection_limit`] (otherwise clients wait in the kernel's queue),
 //! backs off instead of spinning when accepting fails for lack of file descriptors or memory,
-//! and when its side's listeners close,
-//! accepts what the kernel already queued (those clients completed their handshake) before
-//! closing the socket, so that later connection attempts are refused at once.
+//! and when its side's listeners close, accepts what the kernel already queued (those clients
+//! completed their handshake) before closing the socket, so that later connection attempts are
+//! refused at once. Each connection is then served by its route's protocol: opaque TCP, or
+//! protocol detection followed by HTTP or TCP.
 
 use std::io;
 use std::net::SocketAddr;
@@ -22,8 +23,7 @@ use tracing::{Instrument, debug, info, warn};
 use crate::config::{HttpConfig, Protocol, Route};
 use crate::conns::{ConnProtocol, Connections, Registration};
 use crate::detect::{self, Detected};
-use crate::drain::ConnTokens;
-use crate::drain::Drain;
+use crate::drain::{ConnTokens, Drain};
 use crate::http::{self, HttpVersion};
 use crate::metrics::Metrics;
 use crate::tcp;
@@ -52,6 +52,8 @@ pub struct RouteHandle {
     pub route: Arc<Route>,
     /// Pooled clients towards the target, for HTTP.
     pub upstream: Upstream,
+    /// The target as written in the route, for error responses (formatted once, not per request).
+    pub target_name: String,
 }
 
 /// Everything a connection task needs, shared by all connections of the process.

@@ -62,8 +62,8 @@ pub async fn handle(
             .headers_mut()
             .insert(CONNECTION, HeaderValue::from_static("close"));
     }
-    let target = ctx.handle.route.target.to_string();
-    if let Err(()) = absolute_uri(&mut request, &target) {
+    let target = &ctx.handle.target_name;
+    if let Err(()) = absolute_uri(&mut request, target) {
         return Ok(error_response(
             &ctx,
             StatusCode::BAD_REQUEST,
