@@ -563,3 +563,72 @@ fn single_cpu_proxy_runs_on_one_thread_and_drains() {
     drop(held);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
+
+#[test]
+fn connections_waiting_in_the_accept_queue_are_served_not_reset() {
+    use std::os::unix::process::CommandExt;
+    // A descriptor limit of 48 gives a connection limit of (48 - 32) / 2 = 8: the ninth and
+    // later clients complete their handshake and wait in the kernel's accept queue.
+    let echo = EchoServer::start();
+    let mut cmd = command();
+    // SAFETY: setrlimit is async-signal-safe and touches only the child.
+    unsafe {
+        cmd.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 48,
+                rlim_max: 48,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut proxy = Proxy::start_command(
+        &mut cmd,
+        &["--inbound", &format!("{}/tcp", echo.route("127.0.0.1:0"))],
+    );
+    let inbound = proxy.inbound[0];
+    let mut served: Vec<std::net::TcpStream> = (0..8).map(|_| echo_connect(inbound)).collect();
+    let mut queued: Vec<std::net::TcpStream> = (0..4)
+        .map(|i| {
+            let mut stream = std::net::TcpStream::connect(inbound).unwrap();
+            stream.set_read_timeout(Some(PATIENCE)).unwrap();
+            stream.write_all(format!("queued {i}").as_bytes()).unwrap();
+            stream
+        })
+        .collect();
+    proxy.logs.wait_for("about the connection limit", |line| {
+        line.contains("at the connection limit")
+    });
+    assert_eq!(
+        echo.open.load(std::sync::atomic::Ordering::SeqCst),
+        8,
+        "the queued clients are not forwarded yet"
+    );
+
+    proxy.signal(libc::SIGTERM);
+    // Each queued client is accepted and forwarded: its bytes come back, nothing is reset.
+    for (i, stream) in queued.iter_mut().enumerate() {
+        let expected = format!("queued {i}");
+        let mut back = vec![0u8; expected.len()];
+        stream
+            .read_exact(&mut back)
+            .unwrap_or_else(|error| panic!("queued client {i}: {error}"));
+        assert_eq!(back, expected.as_bytes());
+    }
+    proxy.logs.wait_for("about the queued connections", |line| {
+        line.contains("accepted queued connections")
+    });
+    assert_eq!(
+        try_connect(inbound),
+        Attempt::Refused,
+        "new connections are refused after the close"
+    );
+    for stream in &mut served {
+        echo_round_trip(stream, b"still served");
+    }
+    drop(served);
+    drop(queued);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
