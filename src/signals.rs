@@ -23,10 +23,13 @@ pub struct ShutdownSignals {
 impl ShutdownSignals {
     /// Installs the handlers. Needs a Tokio runtime context.
     pub fn install() -> io::Result<ShutdownSignals> {
+        // The stream first: a signal that arrives between the two registrations is then in
+        // the stream (and acted on), only missing from the flag. The other order would set
+        // the flag for a signal the stream never delivers, and start-up would wait for it.
+        let stream = Signals::new([SIGTERM, SIGINT, SIGHUP])?;
         let arrived = Arc::new(AtomicBool::new(false));
         signal_hook::flag::register(SIGTERM, arrived.clone())?;
         signal_hook::flag::register(SIGINT, arrived.clone())?;
-        let stream = Signals::new([SIGTERM, SIGINT, SIGHUP])?;
         Ok(ShutdownSignals { stream, arrived })
     }
 
