@@ -5,7 +5,6 @@ mod support;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::unix::process::CommandExt;
 use std::sync::atomic::Ordering;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -265,20 +264,7 @@ fn half_open_connection_is_closed_at_the_end_of_the_grace_period() {
 #[test]
 fn out_of_file_descriptors_backs_off_without_spinning_and_recovers() {
     let echo = EchoServer::start();
-    let mut cmd = command();
-    // SAFETY: setrlimit is async-signal-safe and touches only the child.
-    unsafe {
-        cmd.pre_exec(|| {
-            let limit = libc::rlimit {
-                rlim_cur: 64,
-                rlim_max: 64,
-            };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    let mut cmd = command_with_fd_limit(64);
     let mut proxy = Proxy::start_command(
         &mut cmd,
         &["--inbound", &format!("{}/tcp", echo.route("127.0.0.1:0"))],

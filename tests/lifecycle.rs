@@ -566,24 +566,10 @@ fn single_cpu_proxy_runs_on_one_thread_and_drains() {
 
 #[test]
 fn connections_waiting_in_the_accept_queue_are_served_not_reset() {
-    use std::os::unix::process::CommandExt;
     // A descriptor limit of 48 gives a connection limit of (48 - 32) / 2 = 8: the ninth and
     // later clients complete their handshake and wait in the kernel's accept queue.
     let echo = EchoServer::start();
-    let mut cmd = command();
-    // SAFETY: setrlimit is async-signal-safe and touches only the child.
-    unsafe {
-        cmd.pre_exec(|| {
-            let limit = libc::rlimit {
-                rlim_cur: 48,
-                rlim_max: 48,
-            };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    let mut cmd = command_with_fd_limit(48);
     let mut proxy = Proxy::start_command(
         &mut cmd,
         &["--inbound", &format!("{}/tcp", echo.route("127.0.0.1:0"))],

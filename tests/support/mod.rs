@@ -45,6 +45,26 @@ pub fn command() -> Command {
     cmd
 }
 
+/// A command for the binary whose process may open at most `limit` file descriptors.
+pub fn command_with_fd_limit(limit: u64) -> Command {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = command();
+    // SAFETY: setrlimit is async-signal-safe and touches only the child.
+    unsafe {
+        cmd.pre_exec(move || {
+            let limit = libc::rlimit {
+                rlim_cur: limit,
+                rlim_max: limit,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd
+}
+
 /// Log lines collected from a child's stderr.
 #[derive(Clone, Default)]
 pub struct Logs(Arc<(Mutex<Vec<String>>, Condvar)>);
