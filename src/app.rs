@@ -171,8 +171,8 @@ impl Bound {
                 upstream,
                 target_name: route.target.to_string(),
             });
-            let tracker = &drain.side(route.direction).tracker;
-            tracker.spawn(listener::accept_loop(bound, handle, shared.clone()));
+            let accepting = &drain.side(route.direction).accepting;
+            accepting.spawn(listener::accept_loop(bound, handle, shared.clone()));
         }
         if signals.arrived() {
             info!("a shutdown signal arrived during start-up");
@@ -254,15 +254,15 @@ async fn drain_sequence(drain: &Drain, config: &Config) {
         tokio::time::sleep(config.lame_duck_period).await;
     }
     drain.set_phase(Phase::Draining);
-    drain.inbound.close_listeners.cancel();
     if after_inbound {
+        drain.inbound.close().await;
         drain.inbound.tracker.wait().await;
         info!("inbound side drained; closing the outbound listeners");
         drain.outbound.go_away.cancel();
-        drain.outbound.close_listeners.cancel();
+        drain.outbound.close().await;
         drain.outbound.tracker.wait().await;
     } else {
-        drain.outbound.close_listeners.cancel();
+        tokio::join!(drain.inbound.close(), drain.outbound.close());
         tokio::join!(drain.inbound.tracker.wait(), drain.outbound.tracker.wait());
     }
 }
@@ -282,6 +282,7 @@ async fn force_close(drain: &Drain, conns: &Connections, metrics: &Metrics, why:
     for side in [&drain.inbound, &drain.outbound] {
         side.go_away.cancel();
         side.close_listeners.cancel();
+        side.draining.cancel();
     }
     drain.terminate.cancel();
     let closed = tokio::time::timeout(FORCE_CLOSE_WAIT, async {

@@ -4,8 +4,9 @@
 //!
 //! A client that sends nothing is waited for until the detection timeout (then it is opaque
 //! TCP on an `auto` route: server-speaks-first protocols) or until its side's listeners close
-//! (then it is closed: CONTRACT section 3 step 4, after [`SILENT_GRACE`], the moment a client
-//! whose `connect()` just returned needs to write its request).
+//! (then it is closed at once: CONTRACT section 3 step 4 — unless it was accepted less than
+//! [`SILENT_GRACE`] ago: a client whose `connect()` just returned, possibly out of the listen
+//! queue as the listener closed, gets until then to write its request).
 
 use std::time::Duration;
 
@@ -28,9 +29,9 @@ const METHODS: &[&[u8]] = &[
 ];
 /// Enough bytes to decide: the preface is the longest pattern.
 const PEEK_LEN: usize = 24;
-/// How long a connection that has sent nothing may still send its first bytes once the
-/// listeners have closed.
-const SILENT_GRACE: Duration = Duration::from_millis(50);
+/// The age, counted from its acceptance, until which a connection that has sent nothing may
+/// still send its first bytes once the listeners have closed.
+const SILENT_GRACE: Duration = Duration::from_millis(250);
 /// Pause between peeks when bytes are there but not enough to decide (peek does not consume,
 /// so readiness stays set and an immediate retry would spin).
 const PEEK_RETRY: Duration = Duration::from_millis(5);
@@ -90,6 +91,7 @@ pub async fn detect(
     draining: &CancellationToken,
 ) -> Detected {
     let classify = if http_only { classify_http } else { classify };
+    let accepted = tokio::time::Instant::now();
     let mut buf = [0u8; PEEK_LEN];
     let mut seen = 0;
     let deadline = tokio::time::sleep(timeout);
@@ -100,11 +102,12 @@ pub async fn detect(
     let mut closing = false;
     loop {
         tokio::select! {
-            // The listeners closed while this client had not said a word yet: it gets a moment,
-            // since a client whose connect() just returned is about to write.
+            // The listeners closed while this client had not said a word yet: closed now if it
+            // has been silent a while, else once it is SILENT_GRACE old (it is about to write).
             _ = draining.cancelled(), if seen == 0 && !closing => {
                 closing = true;
-                last_call.as_mut().reset(tokio::time::Instant::now() + SILENT_GRACE);
+                let now = tokio::time::Instant::now();
+                last_call.as_mut().reset((accepted + SILENT_GRACE).max(now));
             }
             // Still nothing after that moment: close.
             () = &mut last_call, if closing && seen == 0 => return Detected::Closed,

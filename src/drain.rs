@@ -80,12 +80,31 @@ pub struct Side {
     /// Cancelled by `app::run` when this side's connections must ask their peers to go away
     /// (HTTP `connection: close`, GOAWAY); opaque TCP ignores it.
     pub go_away: CancellationToken,
-    /// Cancelled by `app::run` when this side's listeners must stop accepting; each accept
-    /// loop then accepts what is already queued and closes its socket.
+    /// Cancelled by [`Side::close`] when this side's listeners must stop accepting; each
+    /// accept loop then accepts what is already queued and closes its socket.
     pub close_listeners: CancellationToken,
-    /// Tracks this side's accept loops and connection tasks; closed by `app::run` once the
-    /// shutdown starts, so that `wait()` ends when the side has drained.
+    /// Tracks this side's accept loops, so that [`Side::close`] knows when every listener is
+    /// closed and every queued connection spawned.
+    pub accepting: TaskTracker,
+    /// Cancelled by [`Side::close`] once the listeners are closed: idle HTTP/1 connections and
+    /// clients that have not sent a byte are closed then. Not earlier, so that a client whose
+    /// idle connection is closed reconnects to a closed port (refused, never sent) instead of
+    /// racing the listener's close.
+    pub draining: CancellationToken,
+    /// Tracks this side's connection tasks; closed by `app::run` once the shutdown starts, so
+    /// that `wait()` ends when the side has drained.
     pub tracker: TaskTracker,
+}
+
+impl Side {
+    /// Closes the listeners, waits until each has accepted its queue and closed, then tells
+    /// the connections that the side is draining.
+    pub async fn close(&self) {
+        self.close_listeners.cancel();
+        self.accepting.close();
+        self.accepting.wait().await;
+        self.draining.cancel();
+    }
 }
 
 /// Tokens one connection task watches, children of the drain-wide ones.
@@ -192,7 +211,7 @@ impl Drain {
     pub fn conn_tokens(&self, direction: Direction) -> ConnTokens {
         ConnTokens {
             go_away: self.side(direction).go_away.child_token(),
-            draining: self.side(direction).close_listeners.child_token(),
+            draining: self.side(direction).draining.child_token(),
             terminate: self.terminate.child_token(),
         }
     }
