@@ -298,17 +298,7 @@ pub fn run_to_exit(
     }
     let started = Instant::now();
     let mut child = cmd.spawn().expect("spawn lameduck");
-    let deadline = started + PATIENCE;
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("lameduck {args:?} did not exit within {PATIENCE:?}");
-        }
-        thread::sleep(Duration::from_millis(1));
-    };
+    let status = wait_child(&mut child, PATIENCE);
     let elapsed = started.elapsed();
     let mut stderr = String::new();
     child
