@@ -309,6 +309,10 @@ fn out_of_file_descriptors_backs_off_without_spinning_and_recovers() {
     );
     eprintln!("forwarding again {took:?} after releasing the descriptors");
     assert!(took < Duration::from_secs(5), "recovery took {took:?}");
+    assert!(
+        proxy.metric("lameduck_accept_errors_total{direction=\"inbound\"}") > 0.0,
+        "the failed accepts are counted"
+    );
 
     // The connection limit derived from the descriptor limit keeps the rest in the listen
     // queue: no errors, no spinning, and the admin server still answers.
