@@ -66,7 +66,9 @@ fn main() {
         std::process::exit(run_tool());
     }
     // Signal handlers first, before configuration is read or a socket bound: as PID 1 a
-    // SIGTERM that arrives while starting up would otherwise be lost.
+    // SIGTERM that arrives while starting up would otherwise be lost. Until they are complete
+    // the signals are held pending, in this thread and in the runtime's threads.
+    ShutdownSignals::hold();
     let runtime = match runtime_builder().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => exit_with(

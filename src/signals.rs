@@ -21,15 +21,23 @@ pub struct ShutdownSignals {
 }
 
 impl ShutdownSignals {
-    /// Installs the handlers. Needs a Tokio runtime context.
+    /// Holds SIGTERM, SIGINT and SIGHUP pending (blocked) in the calling thread and in every
+    /// thread it starts afterwards. Called first thing in `main`, before the runtime starts its
+    /// threads: a signal that arrives before the handlers are complete waits instead of being
+    /// lost (signal-hook installs its handler before it records what the handler must do, and
+    /// PID 1 drops signals it has no handler for). [`ShutdownSignals::install`] releases them.
+    pub fn hold() {
+        set_mask(libc::SIG_BLOCK);
+    }
+
+    /// Installs the handlers, then releases the signals held by [`ShutdownSignals::hold`] in
+    /// this thread, which receives any that arrived meanwhile. Needs a Tokio runtime context.
     pub fn install() -> io::Result<ShutdownSignals> {
-        // The stream first: a signal that arrives between the two registrations is then in
-        // the stream (and acted on), only missing from the flag. The other order would set
-        // the flag for a signal the stream never delivers, and start-up would wait for it.
         let stream = Signals::new([SIGTERM, SIGINT, SIGHUP])?;
         let arrived = Arc::new(AtomicBool::new(false));
         signal_hook::flag::register(SIGTERM, arrived.clone())?;
         signal_hook::flag::register(SIGINT, arrived.clone())?;
+        set_mask(libc::SIG_UNBLOCK);
         Ok(ShutdownSignals { stream, arrived })
     }
 
@@ -50,5 +58,19 @@ impl ShutdownSignals {
                 None => std::future::pending::<()>().await,
             }
         }
+    }
+}
+
+/// Blocks or unblocks SIGTERM, SIGINT and SIGHUP for the calling thread.
+fn set_mask(how: libc::c_int) {
+    // SAFETY: the set is initialised by sigemptyset before use, and pthread_sigmask only reads
+    // it; a null old-set pointer is allowed.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for signal in [SIGTERM, SIGINT, SIGHUP] {
+            libc::sigaddset(&mut set, signal);
+        }
+        libc::pthread_sigmask(how, &set, std::ptr::null_mut());
     }
 }
