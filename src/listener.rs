@@ -211,8 +211,10 @@ async fn serve(
     shared: Arc<Shared>,
 ) {
     let protocol = handle.route.protocol;
+    // The protocol's own future is boxed once it is known, so that a connection holds only
+    // the state of the protocol it speaks (the task is sized for its largest variant).
     if protocol == Protocol::Tcp {
-        return tcp::forward(stream, registration, tokens, &shared).await;
+        return Box::pin(tcp::forward(stream, registration, tokens, &shared)).await;
     }
     // An `http` route waits for the first bytes only as long as for a request's headers.
     let http_only = protocol == Protocol::Http;
@@ -230,14 +232,22 @@ async fn serve(
         Detected::Http2 => HttpVersion::Http2,
         // Not HTTP, or a server-speaks-first protocol: opaque TCP.
         Detected::Tcp | Detected::Silent if !http_only => {
-            return tcp::forward(stream, registration, tokens, &shared).await;
+            return Box::pin(tcp::forward(stream, registration, tokens, &shared)).await;
         }
         Detected::Tcp | Detected::Silent | Detected::Closed => {
             debug!(?detected, "closing a connection that sent no request");
             return;
         }
     };
-    http::serve(stream, version, registration, tokens, handle, shared).await;
+    Box::pin(http::serve(
+        stream,
+        version,
+        registration,
+        tokens,
+        handle,
+        shared,
+    ))
+    .await;
 }
 
 /// File descriptors kept for everything that is not a proxy connection: the runtime, the

@@ -163,6 +163,23 @@ async fn copy_one_way(
     }
 }
 
+/// Reads and discards what `from` sends until its FIN or an error, holding no buffer of its
+/// own while it waits (a lingering close, say).
+pub(crate) async fn discard(from: &TcpStream) {
+    loop {
+        if from.readable().await.is_err() {
+            return;
+        }
+        let read = SCRATCH.with(|scratch| from.try_read(&mut scratch.borrow_mut()));
+        match read {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+            Err(_) => return,
+        }
+    }
+}
+
 /// Connects to `target`, resolving a host name now, within `timeout`. When the process is out
 /// of file descriptors or memory, connecting is retried with back-off until the timeout: the
 /// client keeps its place instead of being reset for the proxy's own shortage.
