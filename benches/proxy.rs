@@ -101,7 +101,10 @@ const TCP_SUBJECTS: [Subject; 4] = [
 
 fn main() {
     let quick = std::env::args().any(|arg| arg == "--quick");
-    let plan = match quick {
+    // The harness holds both ends of every idle connection for the TCP rows (client, and the
+    // target's side): four descriptors per connection with room to spare must fit the limit.
+    let fd_limit = raise_fd_limit(65_536);
+    let mut plan = match quick {
         true => Plan {
             quick,
             seconds: 1,
@@ -115,7 +118,7 @@ fn main() {
             idle_connections: 10_000,
         },
     };
-    raise_fd_limit(65_536);
+    plan.idle_connections = plan.idle_connections.min(fd_limit as usize / 5);
     let out_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
     std::fs::create_dir_all(&out_dir).unwrap();
     let target = Target::start();
@@ -359,7 +362,14 @@ impl Running {
     }
 
     fn cpu(&self) -> Duration {
-        self.pid().map_or(Duration::ZERO, cpu_time)
+        let (user, kernel) = self.cpu_split();
+        user + kernel
+    }
+
+    /// CPU time in user space and in the kernel.
+    fn cpu_split(&self) -> (Duration, Duration) {
+        self.pid()
+            .map_or((Duration::ZERO, Duration::ZERO), cpu_time)
     }
 
     fn stop(&mut self) {
@@ -415,19 +425,35 @@ fn h1_keepalive(plan: &Plan, subject: Subject, proxy: &Running) -> Vec<Sample> {
         "µs",
         false,
     );
+    // The kernel's part: the socket calls and the TCP work of both ends of each loopback
+    // connection, which runs on the sender's CPU. Every proxy pays it alike; it is the floor.
+    let mut kernel = sample(
+        "http1 keep-alive",
+        subject,
+        "proxy CPU per request, in the kernel",
+        "µs",
+        false,
+    );
     for _ in 0..plan.reps {
-        let before = proxy.cpu();
+        let (user_before, kernel_before) = proxy.cpu_split();
         let run = wrk(plan, proxy.addr, &[]);
+        let (user_after, kernel_after) = proxy.cpu_split();
+        let requests = run.requests.max(1) as f64;
         rps.values.push(run.requests as f64 / run.seconds);
         p50.values.push(run.p50);
         p99.values.push(run.p99);
         p999.values.push(run.p999);
-        cpu.values
-            .push((proxy.cpu() - before).as_secs_f64() * 1e6 / run.requests.max(1) as f64);
+        let spent_kernel = kernel_after - kernel_before;
+        let spent = user_after - user_before + spent_kernel;
+        cpu.values.push(spent.as_secs_f64() * 1e6 / requests);
+        kernel
+            .values
+            .push(spent_kernel.as_secs_f64() * 1e6 / requests);
     }
     let mut samples = vec![rps, p50, p99, p999];
     if subject != Subject::Direct {
         samples.push(cpu);
+        samples.push(kernel);
     }
     samples
 }
@@ -691,7 +717,72 @@ fn lifecycle(plan: &Plan, target: &Target, dir: &Path) -> Vec<Sample> {
             .push((sent.elapsed().saturating_sub(grace)).as_secs_f64() * 1e3);
         drop(held);
     }
-    vec![startup, idle_exit, busy_exit, forced]
+    // The floor of the two shutdown rows: one thread on the proxy's CPU closing the same
+    // sockets with nothing else to do (FIN to each idle client; RST to each client and target).
+    let mut busy_floor = sample(
+        "lifecycle",
+        Subject::Direct,
+        "SIGTERM to exit, idle keep-alive connections",
+        "ms",
+        false,
+    );
+    let mut forced_floor = sample(
+        "lifecycle",
+        Subject::Direct,
+        "force-close TCP connections at grace end",
+        "ms",
+        false,
+    );
+    for _ in 0..plan.reps {
+        busy_floor
+            .values
+            .push(close_floor(plan.idle_connections, None).as_secs_f64() * 1e3);
+        forced_floor
+            .values
+            .push(close_floor(plan.idle_connections, Some(target.hold)).as_secs_f64() * 1e3);
+    }
+    vec![
+        startup,
+        idle_exit,
+        busy_exit,
+        forced,
+        busy_floor,
+        forced_floor,
+    ]
+}
+
+/// How long one thread pinned to the proxy's CPU takes to close `n` accepted idle client
+/// connections: with a FIN, or, given the target's address, with an RST together with `n`
+/// connections of its own to the target (what a proxy's forced close does).
+fn close_floor(n: usize, target: Option<SocketAddr>) -> Duration {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (go, went) = std::sync::mpsc::channel::<()>();
+    let closer = thread::spawn(move || {
+        pin_current_thread(PROXY_CPU);
+        let mut sockets = Vec::with_capacity(2 * n);
+        for _ in 0..n {
+            sockets.push(listener.accept().unwrap().0);
+            if let Some(target) = target {
+                sockets.push(TcpStream::connect(target).unwrap());
+            }
+        }
+        went.recv().unwrap();
+        let started = Instant::now();
+        if target.is_some() {
+            for socket in &sockets {
+                let _ = socket2::SockRef::from(socket).set_linger(Some(Duration::ZERO));
+            }
+        }
+        drop(sockets);
+        started.elapsed()
+    });
+    let clients: Vec<TcpStream> = (0..n).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    thread::sleep(Duration::from_millis(300));
+    go.send(()).unwrap();
+    let took = closer.join().unwrap();
+    drop(clients);
+    took
 }
 
 /// Starts lameduck with an HTTP route and a TCP route to the hold listener; returns the child,
@@ -773,10 +864,11 @@ fn report(samples: &[Sample], skipped: &[String], plan: &Plan) -> String {
         .unwrap_or_default();
     let _ = writeln!(
         out,
-        "lameduck bench ({} mode): {} s per run, {} repetition(s), median [min–max]; proxy pinned to CPU {PROXY_CPU}, load and target to CPU {LOAD_CPU}; {cpu}\n",
+        "lameduck bench ({} mode): {} s per run, {} repetition(s), median [min–max]; {} idle connections for the memory and shutdown rows; proxy pinned to CPU {PROXY_CPU}, load and target to CPU {LOAD_CPU}; {cpu}\n",
         if plan.quick { "quick" } else { "full" },
         plan.seconds,
-        plan.reps
+        plan.reps,
+        plan.idle_connections
     );
     let _ = writeln!(
         out,
@@ -900,8 +992,9 @@ fn set_affinity(cpu: usize) {
     }
 }
 
-fn raise_fd_limit(want: u64) {
-    // SAFETY: setrlimit reads one struct.
+/// Raises the descriptor limit as far as allowed; returns the limit now in force.
+fn raise_fd_limit(want: u64) -> u64 {
+    // SAFETY: setrlimit and getrlimit read or write one struct.
     unsafe {
         let limit = libc::rlimit {
             rlim_cur: want,
@@ -915,7 +1008,9 @@ fn raise_fd_limit(want: u64) {
             libc::getrlimit(libc::RLIMIT_NOFILE, &mut current);
             current.rlim_cur = current.rlim_max;
             libc::setrlimit(libc::RLIMIT_NOFILE, &current);
+            return current.rlim_cur;
         }
+        want
     }
 }
 
@@ -924,18 +1019,19 @@ fn signal(child: &Child, signal: i32) {
     unsafe { libc::kill(child.id() as i32, signal) };
 }
 
-fn cpu_time(pid: i32) -> Duration {
+/// User and kernel CPU time of `pid`, from /proc.
+fn cpu_time(pid: i32) -> (Duration, Duration) {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return Duration::ZERO;
+        return (Duration::ZERO, Duration::ZERO);
     };
     let fields: Vec<&str> = stat[stat.rfind(')').unwrap_or(0) + 2..]
         .split(' ')
         .collect();
-    let ticks: u64 =
-        fields[11].parse::<u64>().unwrap_or(0) + fields[12].parse::<u64>().unwrap_or(0);
     // SAFETY: sysconf has no memory-safety preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
-    Duration::from_micros(ticks * 1_000_000 / hz)
+    let ticks =
+        |field: &str| Duration::from_micros(field.parse::<u64>().unwrap_or(0) * 1_000_000 / hz);
+    (ticks(fields[11]), ticks(fields[12]))
 }
 
 fn rss_kib(pid: i32) -> u64 {

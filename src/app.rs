@@ -267,7 +267,8 @@ async fn drain_sequence(drain: &Drain, config: &Config) {
     }
 }
 
-/// Resets every connection still open, naming each in the log.
+/// Resets every connection still open, then names each in the log (reset first: the lines
+/// of thousands of survivors must not delay their resets).
 async fn force_close(drain: &Drain, conns: &Connections, metrics: &Metrics, why: &str) {
     drain.set_phase(Phase::Terminating);
     let survivors = conns.snapshot();
@@ -275,9 +276,6 @@ async fn force_close(drain: &Drain, conns: &Connections, metrics: &Metrics, why:
         connections = survivors.len(),
         "{why}: resetting the remaining connections"
     );
-    for conn in &survivors {
-        warn!("force-closing {}", conn.describe());
-    }
     metrics.force_closed(survivors.len() as u64);
     for side in [&drain.inbound, &drain.outbound] {
         side.go_away.cancel();
@@ -289,6 +287,9 @@ async fn force_close(drain: &Drain, conns: &Connections, metrics: &Metrics, why:
         tokio::join!(drain.inbound.tracker.wait(), drain.outbound.tracker.wait());
     })
     .await;
+    for conn in &survivors {
+        warn!("force-closing {}", conn.describe());
+    }
     if closed.is_err() {
         warn!("some connection tasks did not finish in time; exiting anyway");
     }
