@@ -14,14 +14,16 @@
 //! is read and discarded until it closes or [`LINGER`] passes, so that the kernel does not
 //! answer unread bytes with an RST that would cut the last response short.
 
+use std::future::Future as _;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use bytes::{Buf, Bytes};
 use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -37,6 +39,11 @@ use crate::proxy;
 
 /// How long a closing connection keeps reading (and discarding) after its FIN.
 const LINGER: Duration = Duration::from_secs(2);
+
+/// How long an HTTP/1 keep-alive connection waits for its next request before it is parked
+/// (its hyper connection and buffers dropped; see [`serve_http1`]). A busy connection never
+/// parks; one that does pays about 2 µs to set up the next request's hyper connection.
+const PARK_AFTER: Duration = Duration::from_millis(100);
 
 /// Which HTTP a connection speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,6 +66,13 @@ pub struct ConnCtx {
     /// for it before sending GOAWAY.
     requests_seen: AtomicBool,
     first_request: Notify,
+    /// Requests started on this connection (HTTP/1 parking: a session parks only after one).
+    requests_started: AtomicU64,
+    /// Request bodies that hyper may still be reading from the client.
+    bodies_open: AtomicU32,
+    /// Set for good once hyper may read on its own between requests (a request body left
+    /// unread, an upgrade): such a connection is never parked.
+    park_off: AtomicBool,
 }
 
 impl ConnCtx {
@@ -67,9 +81,39 @@ impl ConnCtx {
     }
 
     pub fn request_started(&self) {
+        self.requests_started.fetch_add(1, Ordering::AcqRel);
         if !self.requests_seen.swap(true, Ordering::AcqRel) {
             self.first_request.notify_one();
         }
+    }
+
+    /// A request body starts: the connection may not park until it has been read to its end.
+    pub fn body_opened(&self) {
+        self.bodies_open.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A request body is done with: read to its end, or dropped before (then hyper drains or
+    /// closes it by itself, reading between requests, and the connection never parks again).
+    pub fn body_closed(&self, read_to_end: bool) {
+        if !read_to_end {
+            self.never_park();
+        }
+        self.bodies_open.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// This connection must never be parked (see [`ConnCtx::park_off`]).
+    pub fn never_park(&self) {
+        self.park_off.store(true, Ordering::Release);
+    }
+
+    /// Whether hyper, asking for bytes that are not there, is between requests with nothing
+    /// of the last one left to read: then the session may park. `since` is
+    /// `requests_started` when the session began: it must have served a request of its own.
+    fn may_park(&self, since: u64) -> bool {
+        self.requests_started.load(Ordering::Acquire) > since
+            && self.conn().requests_in_flight.load(Ordering::Acquire) == 0
+            && self.bodies_open.load(Ordering::Acquire) == 0
+            && !self.park_off.load(Ordering::Acquire)
     }
 
     /// Whether responses must ask the client to go away (HTTP/1 `connection: close`).
@@ -96,15 +140,6 @@ pub async fn serve(
     conn.set_state(ConnState::Open);
     shared.metrics.connection_opened(conn.direction(), protocol);
 
-    let fd = stream.as_raw_fd();
-    let (home, came_home) = oneshot::channel();
-    let io = TokioIo::new(ServerIo {
-        stream: Some(stream),
-        conn: conn.clone(),
-        fin_sent: false,
-        eof: false,
-        home: Some(home),
-    });
     let ctx = Arc::new(ConnCtx {
         registration: Arc::new(registration),
         handle,
@@ -114,65 +149,160 @@ pub async fn serve(
         terminate: tokens.terminate.clone(),
         requests_seen: AtomicBool::new(false),
         first_request: Notify::new(),
+        requests_started: AtomicU64::new(0),
+        bodies_open: AtomicU32::new(0),
+        park_off: AtomicBool::new(false),
     });
-    let terminated = match version {
-        HttpVersion::Http1 => serve_http1(io, fd, ctx, &tokens.draining).await,
-        HttpVersion::Http2 => serve_http2(io, fd, ctx, &tokens.draining).await,
-    };
-    if terminated {
-        return;
-    }
-    if let Ok(stream) = came_home.await {
-        linger(stream, &tokens.terminate).await;
+    match version {
+        HttpVersion::Http1 => serve_http1(stream, ctx, &tokens.draining).await,
+        HttpVersion::Http2 => {
+            let fd = stream.as_raw_fd();
+            let (io, came_home) = ServerIo::new(stream, ctx.clone(), Bytes::new(), None);
+            // Boxed: an HTTP/1 connection's future is not sized for HTTP/2's state.
+            if Box::pin(serve_http2(TokioIo::new(io), fd, ctx, &tokens.draining)).await {
+                return;
+            }
+            if let Ok(stream) = came_home.await {
+                linger(stream, &tokens.terminate).await;
+            }
+        }
     }
 }
 
-/// Serves HTTP/1; returns true when the drain terminated the connection.
-async fn serve_http1(
-    io: TokioIo<ServerIo>,
-    fd: RawFd,
-    ctx: Arc<ConnCtx>,
+/// Serves HTTP/1 until the client or the drain closes the connection.
+///
+/// A keep-alive connection between requests is *parked*: hyper's connection, with its read and
+/// write buffers (8 KiB each, held for as long as it lives), is dropped and only the socket is
+/// kept, waiting to become readable; the next request starts a new hyper connection on it. An
+/// idle connection then costs the socket and this task's small state. The session parks when
+/// hyper asks for bytes that are not there while no request or request body is in progress (a
+/// pretend EOF ends hyper's connection cleanly and without a FIN) and has been for
+/// [`PARK_AFTER`]; bytes of a next request that hyper had already read are handed to the next
+/// session first.
+async fn serve_http1(mut stream: TcpStream, ctx: Arc<ConnCtx>, draining: &CancellationToken) {
+    let fd = stream.as_raw_fd();
+    let mut prefix = Bytes::new();
+    let mut closing = false;
+    loop {
+        // Boxed: a parked connection holds none of a session's state.
+        let session = Box::pin(http1_session(stream, prefix, &ctx, draining, &mut closing));
+        let (socket, unparsed) = match session.await {
+            Session::Done => return,
+            Session::Parked(socket, unparsed) => (socket, unparsed),
+        };
+        stream = socket;
+        // A parked session that had read part of the next request fails as "incomplete";
+        // those bytes go first to the next session, which starts at once.
+        if !unparsed.is_empty() {
+            prefix = unparsed;
+            continue;
+        }
+        prefix = Bytes::new();
+        tokio::select! {
+            // The next request (or the client's FIN) is here.
+            ready = stream.readable() => {
+                if ready.is_err() {
+                    return;
+                }
+            }
+            // The listeners closed: a parked connection is idle, unless a request's bytes
+            // have just arrived (then it is served, with `connection: close`).
+            _ = draining.cancelled(), if !closing => {
+                closing = true;
+                if unread_bytes(fd) == 0 {
+                    return;
+                }
+            }
+            // hyper closes a keep-alive connection idle for this long; so does the parking.
+            () = tokio::time::sleep(ctx.shared.http.header_read_timeout) => return,
+            // The grace period ran out, or a second signal.
+            _ = ctx.terminate.cancelled() => {
+                reset_fd(fd);
+                return;
+            }
+        }
+    }
+}
+
+/// How one hyper connection on an HTTP/1 client connection ended.
+enum Session {
+    /// The client connection is finished with (closed, upgraded or reset).
+    Done,
+    /// Parked: the socket, and the bytes of a next request that hyper had read but not parsed.
+    Parked(TcpStream, Bytes),
+}
+
+/// Serves requests on `stream` with one hyper connection until it ends or parks.
+async fn http1_session(
+    stream: TcpStream,
+    prefix: Bytes,
+    ctx: &Arc<ConnCtx>,
     draining: &CancellationToken,
-) -> bool {
+    closing: &mut bool,
+) -> Session {
+    let fd = stream.as_raw_fd();
     let config = &ctx.shared.http;
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(config.header_read_timeout)
         .max_buf_size(config.max_header_size);
+    // Once the listeners have closed, the session runs to its end (`connection: close`).
+    let park_after = (!*closing).then(|| ctx.requests_started.load(Ordering::Acquire));
+    let (io, came_home) = ServerIo::new(stream, ctx.clone(), prefix, park_after);
     let service_ctx = ctx.clone();
     // Boxed: hyper keeps the slot for the request future for the connection's whole life, so
-    // an idle keep-alive connection holds 16 bytes instead of the whole future (1.7 KiB).
+    // it holds 16 bytes instead of the whole future (1.7 KiB).
     let service = hyper::service::service_fn(move |request| {
         Box::pin(proxy::handle(service_ctx.clone(), request))
     });
-    let connection = builder.serve_connection(io, service).with_upgrades();
-    tokio::pin!(connection);
-    let mut closing = false;
-    loop {
+    let mut connection = builder
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades();
+    let served = loop {
         tokio::select! {
-            // The client closed, the last response went out, or the connection failed.
-            served = connection.as_mut() => {
-                if let Err(error) = served {
-                    debug!(%error, "HTTP/1 connection ended with an error");
-                }
-                return false;
-            }
+            // The client closed, the last response went out, the session parked, or the
+            // connection failed.
+            served = &mut connection => break served,
             // The listeners closed: close this connection if it is idle.
-            _ = draining.cancelled(), if !closing => {
-                closing = true;
-                let idle = ctx.conn().requests_in_flight.load(Ordering::Acquire) == 0 && unread_bytes(fd) == 0;
+            _ = draining.cancelled(), if !*closing => {
+                *closing = true;
+                let idle = ctx.conn().requests_in_flight.load(Ordering::Acquire) == 0
+                    && unread_bytes(fd) == 0;
                 if idle {
-                    connection.as_mut().graceful_shutdown();
+                    Pin::new(&mut connection).graceful_shutdown();
                 }
             }
             // The grace period ran out, or a second signal.
             _ = ctx.terminate.cancelled() => {
                 reset_fd(fd);
-                return true;
+                return Session::Done;
             }
         }
+    };
+    let Some(parts) = connection.into_parts() else {
+        // Upgraded: the tunnel has the socket now.
+        return Session::Done;
+    };
+    let mut io = parts.io.into_inner();
+    if io.parked
+        && let Some(socket) = io.stream.take()
+    {
+        // Copied: the bytes share hyper's whole 8 KiB read buffer, even when there are none.
+        let unparsed = match parts.read_buf.is_empty() {
+            true => Bytes::new(),
+            false => Bytes::copy_from_slice(&parts.read_buf),
+        };
+        return Session::Parked(socket, unparsed);
     }
+    if let Err(error) = served {
+        debug!(%error, "HTTP/1 connection ended with an error");
+    }
+    drop(io);
+    if let Ok(stream) = came_home.await {
+        linger(stream, &ctx.terminate).await;
+    }
+    Session::Done
 }
 
 /// Serves HTTP/2; returns true when the drain terminated the connection.
@@ -261,16 +391,49 @@ fn reset_fd(fd: RawFd) {
 }
 
 /// The client socket as hyper sees it: counts bytes both ways, and when hyper drops it after
-/// the proxy sent its FIN, hands the socket back for a lingering close.
+/// the proxy sent its FIN, hands the socket back for a lingering close. For HTTP/1 it also
+/// parks the session (see [`serve_http1`]).
 pub struct ServerIo {
     stream: Option<TcpStream>,
-    conn: Arc<Connection>,
+    ctx: Arc<ConnCtx>,
     fin_sent: bool,
     eof: bool,
     home: Option<oneshot::Sender<TcpStream>>,
+    /// Bytes read by an earlier session but not parsed by it: read before the socket.
+    prefix: Bytes,
+    /// `Some(n)`: this session may park once the connection's request count passes `n`.
+    park_after: Option<u64>,
+    /// The session parked: its EOF was pretended, and its shutdown must send no FIN.
+    parked: bool,
+    /// Since when hyper has been waiting for a next request that has not come.
+    idle_since: Option<Instant>,
+    /// Wakes the session when it has been idle for [`PARK_AFTER`].
+    park_timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl ServerIo {
+    fn new(
+        stream: TcpStream,
+        ctx: Arc<ConnCtx>,
+        prefix: Bytes,
+        park_after: Option<u64>,
+    ) -> (ServerIo, oneshot::Receiver<TcpStream>) {
+        let (home, came_home) = oneshot::channel();
+        let io = ServerIo {
+            stream: Some(stream),
+            ctx,
+            fin_sent: false,
+            eof: false,
+            home: Some(home),
+            prefix,
+            park_after,
+            parked: false,
+            idle_since: None,
+            park_timer: None,
+        };
+        (io, came_home)
+    }
+
     /// The socket, taken out for a tunnel after an upgrade.
     pub fn into_stream(mut self) -> Option<TcpStream> {
         self.home = None;
@@ -282,20 +445,32 @@ impl ServerIo {
             .as_mut()
             .ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))
     }
+
+    fn count_read(&self, read: usize) {
+        self.ctx
+            .conn()
+            .bytes_from_peer
+            .fetch_add(read as u64, Ordering::Relaxed);
+    }
+
+    fn count_written(&self, written: usize) {
+        self.ctx
+            .conn()
+            .bytes_to_peer
+            .fetch_add(written as u64, Ordering::Relaxed);
+    }
 }
 
 impl Drop for ServerIo {
     fn drop(&mut self) {
         // Only bytes still unread in the kernel would turn the close into an RST; with none,
         // the close is a plain FIN and nothing needs to linger.
-        let unread = self
-            .stream
-            .as_ref()
-            .map_or(0, |stream| unread_bytes(stream.as_raw_fd()));
         if self.fin_sent
             && !self.eof
-            && unread > 0
-            && let (Some(stream), Some(home)) = (self.stream.take(), self.home.take())
+            && let Some(stream) = self
+                .stream
+                .take_if(|stream| unread_bytes(stream.as_raw_fd()) > 0)
+            && let Some(home) = self.home.take()
         {
             let _ = home.send(stream);
         }
@@ -308,18 +483,51 @@ impl AsyncRead for ServerIo {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let poll = Pin::new(self.stream()?).poll_read(cx, buf);
-        if let Poll::Ready(Ok(())) = poll {
-            let read = buf.filled().len() - before;
-            if read == 0 {
-                self.eof = true;
-            }
-            self.conn
-                .bytes_from_peer
-                .fetch_add(read as u64, Ordering::Relaxed);
+        if !self.prefix.is_empty() {
+            let n = self.prefix.len().min(buf.remaining());
+            buf.put_slice(&self.prefix[..n]);
+            self.prefix.advance(n);
+            return Poll::Ready(Ok(()));
         }
-        poll
+        let before = buf.filled().len();
+        match Pin::new(self.stream()?).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                let read = buf.filled().len() - before;
+                if read == 0 {
+                    self.eof = true;
+                }
+                self.idle_since = None;
+                self.count_read(read);
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending => match self.park_after {
+                Some(since) if self.ctx.may_park(since) => self.poll_park(cx),
+                _ => Poll::Pending,
+            },
+            error => error,
+        }
+    }
+}
+
+impl ServerIo {
+    /// hyper waits, between requests, for a next one that is not there: once that has lasted
+    /// [`PARK_AFTER`], the read ends as an EOF and the session parks.
+    fn poll_park(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let now = Instant::now();
+        let deadline = *self.idle_since.get_or_insert(now) + PARK_AFTER;
+        if now < deadline {
+            let timer = self
+                .park_timer
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline.into())));
+            if timer.deadline() != deadline.into() {
+                timer.as_mut().reset(deadline.into());
+            }
+            if timer.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+        }
+        self.parked = true;
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -331,9 +539,7 @@ impl AsyncWrite for ServerIo {
     ) -> Poll<io::Result<usize>> {
         let poll = Pin::new(self.stream()?).poll_write(cx, buf);
         if let Poll::Ready(Ok(written)) = poll {
-            self.conn
-                .bytes_to_peer
-                .fetch_add(written as u64, Ordering::Relaxed);
+            self.count_written(written);
         }
         poll
     }
@@ -345,9 +551,7 @@ impl AsyncWrite for ServerIo {
     ) -> Poll<io::Result<usize>> {
         let poll = Pin::new(self.stream()?).poll_write_vectored(cx, bufs);
         if let Poll::Ready(Ok(written)) = poll {
-            self.conn
-                .bytes_to_peer
-                .fetch_add(written as u64, Ordering::Relaxed);
+            self.count_written(written);
         }
         poll
     }
@@ -361,6 +565,10 @@ impl AsyncWrite for ServerIo {
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.parked {
+            // The session parked: the connection stays open.
+            return Poll::Ready(Ok(()));
+        }
         let poll = Pin::new(self.stream()?).poll_shutdown(cx);
         if poll.is_ready() {
             self.fin_sent = true;

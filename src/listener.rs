@@ -225,7 +225,8 @@ async fn serve(
     let detected = tokio::select! {
         // The grace period ran out while the client was silent.
         _ = tokens.terminate.cancelled() => Detected::Closed,
-        detected = detect::detect(&stream, http_only, wait, &tokens.draining) => detected,
+        // Boxed, so that the connection's task is not sized for the detection's state.
+        detected = Box::pin(detect::detect(&stream, http_only, wait, &tokens.draining)) => detected,
     };
     let version = match detected {
         Detected::Http1 => HttpVersion::Http1,

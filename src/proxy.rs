@@ -45,13 +45,34 @@ const HOP_BY_HOP: [&str; 7] = [
     "http2-settings",
 ];
 
-/// Forwards one request.
-pub async fn handle(
+/// Forwards one request. What the connection must know at once (a request started, its body
+/// is being read, it may upgrade) is recorded when hyper calls the service, before the future
+/// first runs: hyper keeps reading the socket in between, and an HTTP/1 connection that looked
+/// idle then would be parked (see `http::serve_http1`).
+pub fn handle(
     ctx: Arc<ConnCtx>,
-    mut request: Request<Incoming>,
-) -> Result<Response<ProxyBody>, Infallible> {
+    request: Request<Incoming>,
+) -> impl Future<Output = Result<Response<ProxyBody>, Infallible>> {
     ctx.request_started();
     let in_flight = InFlight::start(&ctx);
+    // Watched from the start: a body dropped unread on any path below is noticed.
+    let body_watch = RequestBody::watch(&ctx, &request);
+    if ctx.version == HttpVersion::Http1
+        && (request.headers().contains_key(UPGRADE) || request.method() == Method::CONNECT)
+    {
+        // hyper hands the socket over after a 101 (it treats any `Upgrade` header as a
+        // possible upgrade): such a connection is never parked.
+        ctx.never_park();
+    }
+    forward(ctx, request, in_flight, body_watch)
+}
+
+async fn forward(
+    ctx: Arc<ConnCtx>,
+    mut request: Request<Incoming>,
+    in_flight: InFlight,
+    mut body_watch: Option<RequestBody>,
+) -> Result<Response<ProxyBody>, Infallible> {
     let version = request.version();
     let upgrading = ctx.version == HttpVersion::Http1 && wants_upgrade(&request);
     let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut request));
@@ -76,6 +97,10 @@ pub async fn handle(
         HttpVersion::Http1 => &ctx.handle.upstream.http1,
         HttpVersion::Http2 => &ctx.handle.upstream.http2,
     };
+    let request = request.map(|body| match body_watch.take() {
+        Some(watch) => Payload::Request(body, watch),
+        None => Payload::Stream(body),
+    });
     let sent = send(client, request);
     let result = match ctx.shared.http.response_timeout {
         Some(limit) => match tokio::time::timeout(limit, sent).await {
@@ -147,7 +172,7 @@ pub async fn handle(
 /// section 9.2.2 allows. Anything else is never replayed.
 async fn send(
     client: &Client<Connector, Payload>,
-    request: Request<Incoming>,
+    request: Request<Payload>,
 ) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
     let replay = replayable(&request).then(|| {
         let mut copy = Request::new(Payload::Bytes(None));
@@ -157,7 +182,7 @@ async fn send(
         *copy.headers_mut() = request.headers().clone();
         copy
     });
-    let first = client.request(request.map(Payload::Stream)).await;
+    let first = client.request(request).await;
     match (first, replay) {
         (Err(error), Some(again)) if closed_before_response(&error) => {
             debug!(%error, "the target closed a pooled connection before answering; retrying once");
@@ -167,7 +192,7 @@ async fn send(
     }
 }
 
-fn replayable(request: &Request<Incoming>) -> bool {
+fn replayable(request: &Request<Payload>) -> bool {
     let idempotent = matches!(
         *request.method(),
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
@@ -407,7 +432,35 @@ impl Drop for InFlight {
 /// bodies towards the target (a replay has none) and response bodies are both this.
 pub enum Payload {
     Stream(Incoming),
+    /// A client's HTTP/1 request body on its way to the target, watched to its end.
+    Request(Incoming, RequestBody),
     Bytes(Option<Bytes>),
+}
+
+/// Tells an HTTP/1 connection when a request body has been read to its end (or dropped before
+/// it), so that the connection is parked only between requests.
+pub struct RequestBody {
+    ctx: Arc<ConnCtx>,
+    ended: bool,
+}
+
+impl RequestBody {
+    fn watch(ctx: &Arc<ConnCtx>, request: &Request<Incoming>) -> Option<RequestBody> {
+        if ctx.version != HttpVersion::Http1 || request.body().is_end_stream() {
+            return None;
+        }
+        ctx.body_opened();
+        Some(RequestBody {
+            ctx: ctx.clone(),
+            ended: false,
+        })
+    }
+}
+
+impl Drop for RequestBody {
+    fn drop(&mut self) {
+        self.ctx.body_closed(self.ended);
+    }
 }
 
 impl Body for Payload {
@@ -420,20 +473,29 @@ impl Body for Payload {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match self.get_mut() {
             Payload::Stream(body) => Pin::new(body).poll_frame(cx),
+            Payload::Request(body, watch) => {
+                let poll = Pin::new(&mut *body).poll_frame(cx);
+                match &poll {
+                    Poll::Ready(None) => watch.ended = true,
+                    Poll::Ready(Some(Ok(_))) if body.is_end_stream() => watch.ended = true,
+                    _ => {}
+                }
+                poll
+            }
             Payload::Bytes(bytes) => Poll::Ready(bytes.take().map(|bytes| Ok(Frame::data(bytes)))),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match self {
-            Payload::Stream(body) => body.is_end_stream(),
+            Payload::Stream(body) | Payload::Request(body, _) => body.is_end_stream(),
             Payload::Bytes(bytes) => bytes.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            Payload::Stream(body) => body.size_hint(),
+            Payload::Stream(body) | Payload::Request(body, _) => body.size_hint(),
             Payload::Bytes(bytes) => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }

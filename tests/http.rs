@@ -855,3 +855,117 @@ fn target_closing_idle_keepalive_connections_costs_no_request() {
     proxy.signal(libc::SIGTERM);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
+
+/// Between requests an idle HTTP/1 keep-alive connection is parked (hyper's connection and its
+/// buffers dropped, the socket kept): the next request, a request whose head arrives in
+/// pieces, and a pipelined request cut in the middle all still get their answers.
+#[test]
+fn parked_keepalive_connections_serve_split_and_pipelined_requests() {
+    let backend = Backend::start();
+    let proxy = proxy_for(&backend, &[]);
+    let park = Duration::from_millis(300);
+    let mut client = send_raw(proxy.inbound[0], &get("/a"));
+    assert_eq!(read_response(&mut client).unwrap().status, 200);
+    thread::sleep(park);
+
+    // The next request's head in two pieces, with a pause between them.
+    client.write_all(b"GET /b HTTP/1.1\r\nHo").unwrap();
+    thread::sleep(park);
+    client.write_all(b"st: app.local\r\n\r\n").unwrap();
+    assert_eq!(read_response(&mut client).unwrap().status, 200);
+    thread::sleep(park);
+
+    // A request and the first half of the next one in one write.
+    let mut both = get("/c");
+    both.extend_from_slice(b"GET /d HTTP/1.1\r\nHo");
+    client.write_all(&both).unwrap();
+    assert_eq!(read_response(&mut client).unwrap().status, 200);
+    thread::sleep(park);
+    client.write_all(b"st: app.local\r\n\r\n").unwrap();
+    assert_eq!(read_response(&mut client).unwrap().status, 200);
+    thread::sleep(park);
+
+    client.write_all(&get("/e")).unwrap();
+    assert_eq!(read_response(&mut client).unwrap().status, 200);
+    assert_eq!(backend.seen_paths(), ["/a", "/b", "/c", "/d", "/e"]);
+}
+
+/// An app that answers before reading the request body: the rest of the body that the client
+/// keeps sending is never taken for a request, on a connection that stays quiet in between.
+#[test]
+fn an_unread_request_body_is_never_taken_for_the_next_request() {
+    let backend = Backend::start();
+    let proxy = proxy_for(&backend, &[]);
+    let mut client = send_raw(
+        proxy.inbound[0],
+        b"POST /early HTTP/1.1\r\nHost: app.local\r\nContent-Length: 20000\r\n\r\n",
+    );
+    client.write_all(&[b'x'; 1000]).unwrap();
+    let response = read_response(&mut client).unwrap();
+    assert_eq!(response.status, 200);
+    assert_eq!(response.body, b"early");
+    thread::sleep(Duration::from_millis(300));
+    // The rest of the body, shaped like a request, then a real one.
+    let mut rest = b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n".to_vec();
+    rest.resize(19_000, b'x');
+    rest.extend_from_slice(&get("/after"));
+    let _ = client.write_all(&rest);
+    // The connection either serves /after or closes; it never answers anything else.
+    match read_response(&mut client) {
+        Ok(response) => assert_eq!(response.status, 200, "{response:?}"),
+        Err(error) => eprintln!("the proxy closed the connection after the early answer: {error}"),
+    }
+    thread::sleep(Duration::from_millis(100));
+    let paths = backend.seen_paths();
+    assert!(!paths.iter().any(|path| path == "/smuggled"), "{paths:?}");
+    assert!(
+        paths
+            .iter()
+            .all(|path| path == "/early" || path == "/after"),
+        "{paths:?}"
+    );
+}
+
+/// A keep-alive connection that stays idle is closed after the header read timeout (parked or
+/// not), with a FIN.
+#[test]
+fn idle_keepalive_connection_is_closed_after_the_header_read_timeout() {
+    let backend = Backend::start();
+    let proxy = proxy_for(&backend, &["--http-header-read-timeout=1s"]);
+    let mut client = send_raw(proxy.inbound[0], &get("/"));
+    assert_eq!(read_response(&mut client).unwrap().status, 200);
+    let idle = Instant::now();
+    let (close, _) = wait_close(&mut client, PATIENCE);
+    let closed = idle.elapsed();
+    assert_eq!(close, Close::Eof, "FIN, not RST");
+    assert!(
+        closed >= Duration::from_millis(900) && closed < Duration::from_secs(3),
+        "closed after {closed:?}"
+    );
+}
+
+/// Idle keep-alive connections hold no HTTP buffers: hyper's 8 KiB read and write buffers are
+/// released while a connection waits for its next request.
+#[test]
+fn idle_keepalive_connections_hold_no_http_buffers() {
+    let backend = Backend::start();
+    let proxy = proxy_for(&backend, &[]);
+    let warm = send_raw(proxy.inbound[0], &get("/"));
+    drop(warm);
+    thread::sleep(Duration::from_millis(300));
+    let before = rss_kib(proxy.pid());
+    let held: Vec<TcpStream> = (0..1000)
+        .map(|_| {
+            let mut client = send_raw(proxy.inbound[0], &get("/"));
+            assert_eq!(read_response(&mut client).unwrap().status, 200);
+            client
+        })
+        .collect();
+    thread::sleep(Duration::from_secs(1));
+    let per_connection = rss_kib(proxy.pid()).saturating_sub(before) as f64 / held.len() as f64;
+    eprintln!("{per_connection:.1} KiB per idle keep-alive connection (debug build)");
+    assert!(
+        per_connection < 8.0,
+        "{per_connection:.1} KiB per idle keep-alive connection"
+    );
+}

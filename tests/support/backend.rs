@@ -161,7 +161,8 @@ async fn handle(
         })
         .collect();
     let upgrade = hyper::upgrade::on(&mut request);
-    let body = if path == "/ws" {
+    // `/early` answers without reading the request body (an app rejecting an upload early).
+    let body = if path == "/ws" || path == "/early" {
         Vec::new()
     } else {
         request
@@ -214,6 +215,7 @@ async fn handle(
         }
         "/hang" => std::future::pending().await,
         "/echo" => full(StatusCode::OK, body),
+        "/early" => full(StatusCode::OK, "early"),
         "/hop" => {
             let mut response = full(StatusCode::OK, "hop");
             let headers = response.headers_mut();
