@@ -107,7 +107,7 @@ impl Side {
     }
 }
 
-/// Tokens one connection task watches, children of the drain-wide ones.
+/// Tokens one connection task watches: clones of its side's and the drain-wide ones.
 #[derive(Debug)]
 pub struct ConnTokens {
     /// Cancelled when the connection should ask its peer to go away.
@@ -207,12 +207,14 @@ impl Drain {
         }
     }
 
-    /// Tokens for a new connection of `direction`.
+    /// Tokens for a new connection of `direction`: the side's own tokens, shared (nothing
+    /// cancels one connection alone, so a child token each would only cost an allocation and
+    /// the parent's lock on every connection's open and close).
     pub fn conn_tokens(&self, direction: Direction) -> ConnTokens {
         ConnTokens {
-            go_away: self.side(direction).go_away.child_token(),
-            draining: self.side(direction).draining.child_token(),
-            terminate: self.terminate.child_token(),
+            go_away: self.side(direction).go_away.clone(),
+            draining: self.side(direction).draining.clone(),
+            terminate: self.terminate.clone(),
         }
     }
 }

@@ -163,7 +163,7 @@ pub async fn serve(
                 return;
             }
             if let Ok(stream) = came_home.await {
-                linger(stream, &tokens.terminate).await;
+                Box::pin(linger(stream, &tokens.terminate)).await;
             }
         }
     }
