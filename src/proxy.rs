@@ -20,7 +20,8 @@ use std::time::Instant;
 use bytes::Bytes;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::header::{
-    CONNECTION, CONTENT_TYPE, HOST, HeaderMap, HeaderName, HeaderValue, TE, UPGRADE,
+    CONNECTION, CONTENT_TYPE, HOST, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING,
+    UPGRADE,
 };
 use hyper::upgrade::OnUpgrade;
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
@@ -35,14 +36,14 @@ use crate::tcp;
 use crate::upstream::Connector;
 
 /// Headers that concern one hop only (RFC 9110 section 7.6.1), besides those `Connection` names.
-const HOP_BY_HOP: [&str; 7] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "transfer-encoding",
-    "upgrade",
-    "http2-settings",
+static HOP_BY_HOP: [HeaderName; 7] = [
+    CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    TE,
+    TRANSFER_ENCODING,
+    UPGRADE,
+    HeaderName::from_static("http2-settings"),
 ];
 
 /// Forwards one request. What the connection must know at once (a request started, its body
@@ -260,7 +261,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
     for name in named {
         headers.remove(name);
     }
-    for name in HOP_BY_HOP {
+    for name in &HOP_BY_HOP {
         headers.remove(name);
     }
     if trailers {
