@@ -149,8 +149,10 @@ fn main() {
     // Start-up and shutdown first, while the harness holds no connections of earlier workloads
     // (a full run left it holding thousands, and start-up then measured 85 ms instead of 4).
     samples.extend(lifecycle(&plan, &target, &out_dir));
+    // Memory is measured first on each fresh process, before any load has grown its pools.
     for &subject in &http_subjects {
         let mut proxy = Running::start(subject, &target, false, &out_dir);
+        samples.extend(idle_memory(&plan, subject, &proxy, true));
         if installed("wrk") {
             samples.extend(h1_keepalive(&plan, subject, &proxy));
             samples.extend(h1_new_connections(&plan, subject, &proxy));
@@ -158,13 +160,12 @@ fn main() {
         if installed("h2load") {
             samples.extend(h2_multiplexed(&plan, subject, &proxy));
         }
-        samples.extend(idle_memory(&plan, subject, &proxy, true));
         proxy.stop();
     }
     for &subject in &tcp_subjects {
         let mut proxy = Running::start(subject, &target, true, &out_dir);
-        samples.extend(tcp_bulk(&plan, subject, &proxy, &target));
         samples.extend(idle_memory(&plan, subject, &proxy, false));
+        samples.extend(tcp_bulk(&plan, subject, &proxy, &target));
         proxy.stop();
     }
     for tool in ["wrk", "h2load"] {

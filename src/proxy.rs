@@ -247,6 +247,11 @@ fn tokens(value: &HeaderValue) -> impl Iterator<Item = &str> {
 /// Removes hop-by-hop headers: `Connection` and every header it names, and the fixed list.
 /// When `upgrading`, `Upgrade` and `Connection: upgrade` stay so the target sees the handshake.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
+    // Most messages carry none of them: one pass over the names, then nothing to do. (Headers
+    // named by `Connection` matter only when there is a `Connection`, itself in the list.)
+    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(CONNECTION)
         .iter()
