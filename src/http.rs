@@ -41,9 +41,11 @@ use crate::proxy;
 const LINGER: Duration = Duration::from_secs(2);
 
 /// How long an HTTP/1 keep-alive connection waits for its next request before it is parked
-/// (its hyper connection and buffers dropped; see [`serve_http1`]). A busy connection never
-/// parks; one that does pays about 2 µs to set up the next request's hyper connection.
-const PARK_AFTER: Duration = Duration::from_millis(100);
+/// (its hyper connection and buffers dropped; see [`serve_http1`]). A connection whose requests
+/// come closer together never parks; one that does pays about 2 µs (some 9,000 instructions)
+/// to set up the next request's hyper connection, at most 2 µs per 10 ms: 0.02 % of a CPU. The
+/// shorter the wait, the fewer connections hold their buffers at once when many go idle.
+const PARK_AFTER: Duration = Duration::from_millis(10);
 
 /// Which HTTP a connection speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
