@@ -158,6 +158,7 @@ fn main() {
             samples.extend(h1_new_connections(&plan, subject, &proxy));
         }
         if installed("h2load") {
+            samples.extend(h1_fixed_rate(&plan, subject, &proxy, &out_dir));
             samples.extend(h2_multiplexed(&plan, subject, &proxy));
         }
         proxy.stop();
@@ -510,6 +511,51 @@ fn wrk(plan: &Plan, addr: SocketAddr, extra: &[&str]) -> WrkRun {
         p99: field("p99"),
         p999: field("p999"),
     }
+}
+
+/// Requests per second of the fixed-rate latency workload: about a third of what a proxy here
+/// serves at saturation, so the percentiles measure the proxy, not a queue in front of it.
+const FIXED_RATE: u64 = 10_000;
+
+/// HTTP/1.1 keep-alive latency at a fixed request rate (32 connections, h2load `--rps`), from
+/// h2load's per-request log.
+fn h1_fixed_rate(plan: &Plan, subject: Subject, proxy: &Running, dir: &Path) -> Vec<Sample> {
+    let workload = "http1 keep-alive, 10,000 req/s";
+    let mut p50 = sample(workload, subject, "latency p50", "µs", false);
+    let mut p99 = sample(workload, subject, "latency p99", "µs", false);
+    let mut p999 = sample(workload, subject, "latency p99.9", "µs", false);
+    let log = dir.join("h2load-requests.log");
+    for _ in 0..plan.reps {
+        let mut command = Command::new("h2load");
+        command
+            .args(["--h1", "-c", "32", "--rps", &(FIXED_RATE / 32).to_string()])
+            .args(["-D", &plan.seconds.to_string(), "--log-file"])
+            .arg(&log)
+            .arg(format!("http://{}/", proxy.addr));
+        pin(&mut command, LOAD_CPU);
+        let output = command.output().expect("run h2load");
+        assert!(output.status.success(), "h2load failed: {output:?}");
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let mut micros: Vec<f64> = text
+            .lines()
+            .filter_map(|line| {
+                let mut columns = line.split('\t');
+                let status = columns.nth(1)?;
+                let took = columns.next()?;
+                (status == "200")
+                    .then(|| took.trim().parse().ok())
+                    .flatten()
+            })
+            .collect();
+        assert!(!micros.is_empty(), "h2load logged no successful request");
+        micros.sort_by(f64::total_cmp);
+        let at = |q: f64| micros[((micros.len() - 1) as f64 * q).round() as usize];
+        p50.values.push(at(0.50));
+        p99.values.push(at(0.99));
+        p999.values.push(at(0.999));
+    }
+    let _ = std::fs::remove_file(&log);
+    vec![p50, p99, p999]
 }
 
 fn h2_multiplexed(plan: &Plan, subject: Subject, proxy: &Running) -> Vec<Sample> {
