@@ -461,6 +461,26 @@ impl ServerIo {
             .bytes_to_peer
             .fetch_add(written as u64, Ordering::Relaxed);
     }
+
+    /// hyper waits, between requests, for a next one that is not there: once that has lasted
+    /// [`PARK_AFTER`], the read ends as an EOF and the session parks.
+    fn poll_park(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let now = Instant::now();
+        let deadline = *self.idle_since.get_or_insert(now) + PARK_AFTER;
+        if now < deadline {
+            let timer = self
+                .park_timer
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline.into())));
+            if timer.deadline() != deadline.into() {
+                timer.as_mut().reset(deadline.into());
+            }
+            if timer.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+        }
+        self.parked = true;
+        Poll::Ready(Ok(()))
+    }
 }
 
 impl Drop for ServerIo {
@@ -508,28 +528,6 @@ impl AsyncRead for ServerIo {
             },
             error => error,
         }
-    }
-}
-
-impl ServerIo {
-    /// hyper waits, between requests, for a next one that is not there: once that has lasted
-    /// [`PARK_AFTER`], the read ends as an EOF and the session parks.
-    fn poll_park(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let now = Instant::now();
-        let deadline = *self.idle_since.get_or_insert(now) + PARK_AFTER;
-        if now < deadline {
-            let timer = self
-                .park_timer
-                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline.into())));
-            if timer.deadline() != deadline.into() {
-                timer.as_mut().reset(deadline.into());
-            }
-            if timer.as_mut().poll(cx).is_pending() {
-                return Poll::Pending;
-            }
-        }
-        self.parked = true;
-        Poll::Ready(Ok(()))
     }
 }
 

@@ -124,6 +124,10 @@ fn http1_inflight_request_completes_with_connection_close() {
 fn idle_keepalive_connection_is_closed_at_once() {
     let backend = Backend::start();
     let mut proxy = proxy_for(&backend, &[]);
+    // One connection idle long enough to be parked, one that has just been answered.
+    let mut parked = send_raw(proxy.inbound[0], &get("/"));
+    assert_eq!(read_response(&mut parked).unwrap().status, 200);
+    thread::sleep(Duration::from_millis(200));
     let mut client = send_raw(proxy.inbound[0], &get("/"));
     assert_eq!(read_response(&mut client).unwrap().status, 200);
     let sent = Instant::now();
@@ -134,6 +138,12 @@ fn idle_keepalive_connection_is_closed_at_once() {
     assert!(
         closed < Duration::from_millis(500),
         "closed after {closed:?}"
+    );
+    assert_eq!(wait_close(&mut parked, PATIENCE).0, Close::Eof);
+    let parked_closed = sent.elapsed();
+    assert!(
+        parked_closed < Duration::from_millis(500),
+        "the parked connection closed after {parked_closed:?}"
     );
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
     eprintln!(
