@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use tokio::sync::OwnedSemaphorePermit;
+
 use crate::config::{Direction, Route};
 
 /// What a connection carries, as far as the proxy knows.
@@ -175,10 +177,12 @@ pub struct Connections {
     closed_outbound: ClosedBytes,
 }
 
-/// Keeps a connection in the registry; dropping it removes the connection.
+/// Keeps a connection in the registry, and its place under the connection limit; dropping it
+/// removes the connection and gives the place back.
 pub struct Registration {
     registry: Arc<Connections>,
     conn: Arc<Connection>,
+    _permit: Option<OwnedSemaphorePermit>,
 }
 
 impl Registration {
@@ -206,6 +210,7 @@ impl Connections {
         route: Arc<Route>,
         peer: SocketAddr,
         protocol: ConnProtocol,
+        permit: Option<OwnedSemaphorePermit>,
     ) -> Registration {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let conn = Arc::new(Connection {
@@ -224,6 +229,7 @@ impl Connections {
         Registration {
             registry: self.clone(),
             conn,
+            _permit: permit,
         }
     }
 

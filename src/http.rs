@@ -30,7 +30,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{Instrument as _, debug};
 
 use crate::conns::{ConnProtocol, ConnState, Connection, Registration};
 use crate::drain::ConnTokens;
@@ -175,53 +175,98 @@ pub async fn serve(
 ///
 /// A keep-alive connection between requests is *parked*: hyper's connection, with its read and
 /// write buffers (8 KiB each, held for as long as it lives), is dropped and only the socket is
-/// kept, waiting to become readable; the next request starts a new hyper connection on it. An
-/// idle connection then costs the socket and this task's small state. The session parks when
-/// hyper asks for bytes that are not there while no request or request body is in progress (a
-/// pretend EOF ends hyper's connection cleanly and without a FIN) and has been for
-/// [`PARK_AFTER`]; bytes of a next request that hyper had already read are handed to the next
-/// session first.
-async fn serve_http1(mut stream: TcpStream, ctx: Arc<ConnCtx>, draining: &CancellationToken) {
-    let fd = stream.as_raw_fd();
-    let mut prefix = Bytes::new();
-    let mut closing = false;
-    loop {
-        // Boxed: a parked connection holds none of a session's state.
-        let session = Box::pin(http1_session(stream, prefix, &ctx, draining, &mut closing));
-        let (socket, unparsed) = match session.await {
-            Session::Done => return,
-            Session::Parked(socket, unparsed) => (socket, unparsed),
-        };
-        stream = socket;
-        // A parked session that had read part of the next request fails as "incomplete";
-        // those bytes go first to the next session, which starts at once.
-        if !unparsed.is_empty() {
-            prefix = unparsed;
-            continue;
+/// kept, waiting to become readable; the next request starts a new hyper connection on it. The
+/// session parks when hyper asks for bytes that are not there while no request or request body
+/// is in progress (a pretend EOF ends hyper's connection cleanly and without a FIN) and has
+/// been for [`PARK_AFTER`]; bytes of a next request that hyper had already read are handed to
+/// the next session first.
+///
+/// The first time the connection parks, it moves to a task of its own ([`keep_alive`]) that
+/// holds a parked connection's few hundred bytes, and this task, sized for detecting the
+/// protocol and serving the first session, ends.
+async fn serve_http1(stream: TcpStream, ctx: Arc<ConnCtx>, draining: &CancellationToken) {
+    let sessions = Box::pin(http1_sessions(stream, &ctx, draining, false));
+    if let Some(parked) = sessions.await {
+        let tracker = &ctx.shared.drain.side(ctx.conn().direction()).tracker;
+        let parked = keep_alive(parked, ctx.clone(), draining.clone());
+        tracker.spawn(parked.instrument(tracing::Span::current()));
+    }
+}
+
+/// An HTTP/1 connection after it first parked: waits with only its socket for the next
+/// request, serves it in new sessions until they park again, and so on until the connection
+/// ends. (Not an `async fn`, which would hold each argument twice.)
+fn keep_alive(
+    mut stream: TcpStream,
+    ctx: Arc<ConnCtx>,
+    draining: CancellationToken,
+) -> impl Future<Output = ()> + Send {
+    async move {
+        loop {
+            let fd = stream.as_raw_fd();
+            let idle = tokio::time::sleep(ctx.shared.http.header_read_timeout);
+            let drain = draining.cancelled();
+            tokio::pin!(idle, drain);
+            let wake = std::future::poll_fn(|cx| {
+                if drain.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Wake::Draining);
+                }
+                match stream.poll_read_ready(cx) {
+                    Poll::Ready(Ok(())) => return Poll::Ready(Wake::Readable),
+                    Poll::Ready(Err(_)) => return Poll::Ready(Wake::Closed),
+                    Poll::Pending => {}
+                }
+                idle.as_mut().poll(cx).map(|()| Wake::Closed)
+            });
+            let closing = match wake.await {
+                // The next request (or the client's FIN) is here.
+                Wake::Readable => false,
+                // The grace period ran out, or a second signal: `force_close` cancels
+                // `draining` and `terminate` together.
+                Wake::Draining if ctx.terminate.is_cancelled() => return reset_fd(fd),
+                // The listeners closed: a parked connection is idle, unless a request's
+                // bytes have just arrived (then it is served, with `connection: close`).
+                Wake::Draining if unread_bytes(fd) == 0 => return,
+                Wake::Draining => true,
+                // The client went away, or stayed idle for the header read timeout (hyper's
+                // keep-alive timeout, which the parking keeps).
+                Wake::Closed => return,
+            };
+            let sessions = Box::pin(http1_sessions(stream, &ctx, &draining, closing));
+            match sessions.await {
+                Some(parked) => stream = parked,
+                None => return,
+            }
         }
-        prefix = Bytes::new();
-        tokio::select! {
-            // The next request (or the client's FIN) is here.
-            ready = stream.readable() => {
-                if ready.is_err() {
-                    return;
-                }
-            }
-            // The listeners closed: a parked connection is idle, unless a request's bytes
-            // have just arrived (then it is served, with `connection: close`).
-            _ = draining.cancelled(), if !closing => {
-                closing = true;
-                if unread_bytes(fd) == 0 {
-                    return;
-                }
-            }
-            // hyper closes a keep-alive connection idle for this long; so does the parking.
-            () = tokio::time::sleep(ctx.shared.http.header_read_timeout) => return,
-            // The grace period ran out, or a second signal.
-            _ = ctx.terminate.cancelled() => {
-                reset_fd(fd);
-                return;
-            }
+    }
+}
+
+/// Why a parked connection woke up.
+enum Wake {
+    /// The socket is readable: a request, or the client's FIN.
+    Readable,
+    /// The side's listeners closed (or the drain is terminating).
+    Draining,
+    /// The socket failed, or the idle timeout passed.
+    Closed,
+}
+
+/// Serves requests on `stream` in hyper sessions until the connection ends (`None`) or a
+/// session parks with nothing of a next request read (the socket). A session that parked
+/// having read part of the next request failed on it as "incomplete"; those bytes go first to
+/// the next session, which starts at once.
+async fn http1_sessions(
+    mut stream: TcpStream,
+    ctx: &Arc<ConnCtx>,
+    draining: &CancellationToken,
+    closing: bool,
+) -> Option<TcpStream> {
+    let mut unparsed = Bytes::new();
+    loop {
+        match http1_session(stream, unparsed, ctx, draining, closing).await {
+            Session::Done => return None,
+            Session::Parked(socket, rest) if rest.is_empty() => return Some(socket),
+            Session::Parked(socket, rest) => (stream, unparsed) = (socket, rest),
         }
     }
 }
@@ -240,7 +285,7 @@ async fn http1_session(
     prefix: Bytes,
     ctx: &Arc<ConnCtx>,
     draining: &CancellationToken,
-    closing: &mut bool,
+    mut closing: bool,
 ) -> Session {
     let fd = stream.as_raw_fd();
     let config = &ctx.shared.http;
@@ -250,7 +295,7 @@ async fn http1_session(
         .header_read_timeout(config.header_read_timeout)
         .max_buf_size(config.max_header_size);
     // Once the listeners have closed, the session runs to its end (`connection: close`).
-    let park_after = (!*closing).then(|| ctx.requests_started.load(Ordering::Acquire));
+    let park_after = (!closing).then(|| ctx.requests_started.load(Ordering::Acquire));
     let (io, came_home) = ServerIo::new(stream, ctx.clone(), prefix, park_after);
     let service_ctx = ctx.clone();
     // Boxed: hyper keeps the slot for the request future for the connection's whole life, so
@@ -267,8 +312,8 @@ async fn http1_session(
             // connection failed.
             served = &mut connection => break served,
             // The listeners closed: close this connection if it is idle.
-            _ = draining.cancelled(), if !*closing => {
-                *closing = true;
+            _ = draining.cancelled(), if !closing => {
+                closing = true;
                 let idle = ctx.conn().requests_in_flight.load(Ordering::Acquire) == 0
                     && unread_bytes(fd) == 0;
                 if idle {

@@ -65,7 +65,7 @@ pub struct Shared {
     pub connect_timeout: Duration,
     pub http: HttpConfig,
     /// One permit per open proxy connection, sized from the file-descriptor limit; the accept
-    /// loops take a permit before accepting, and each connection task drops its own.
+    /// loops take a permit before accepting, and each connection's registration holds its own.
     pub limit: Arc<Semaphore>,
 }
 
@@ -188,18 +188,17 @@ fn spawn_connection(
         Protocol::Tcp => ConnProtocol::Tcp,
         Protocol::Auto | Protocol::Http => ConnProtocol::Detecting,
     };
-    let registration = shared.conns.register(route.clone(), peer, protocol);
+    let registration = shared.conns.register(route.clone(), peer, protocol, permit);
     let tokens = shared.drain.conn_tokens(route.direction);
     let span = tracing::debug_span!("conn", id = registration.conn().id, direction = %route.direction, %peer, target = %route.target);
     let handle = handle.clone();
     let shared = shared.clone();
-    shared.drain.side(route.direction).tracker.clone().spawn(
-        async move {
-            serve(stream, registration, tokens, handle, shared).await;
-            drop(permit);
-        }
-        .instrument(span),
-    );
+    shared
+        .drain
+        .side(route.direction)
+        .tracker
+        .clone()
+        .spawn(serve(stream, registration, tokens, handle, shared).instrument(span));
 }
 
 /// Serves one connection by its route's protocol, detecting it on `auto` and `http` routes.

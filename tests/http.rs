@@ -152,6 +152,29 @@ fn idle_keepalive_connection_is_closed_at_once() {
     );
 }
 
+/// A parked keep-alive connection is reset, like every other, when a second signal stops the
+/// drain while the lame-duck period still keeps it open.
+#[test]
+fn parked_keepalive_connection_is_reset_by_a_second_signal() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(
+        &backend,
+        &["--lame-duck-period=30s", "--shutdown-grace-period=60s"],
+    );
+    let mut parked = send_raw(proxy.inbound[0], &get("/"));
+    assert_eq!(read_response(&mut parked).unwrap().status, 200);
+    thread::sleep(Duration::from_millis(200));
+    proxy.signal(libc::SIGTERM);
+    wait_until("/ready turns 503", PATIENCE, || {
+        proxy.get("/ready").status == 503
+    });
+    thread::sleep(Duration::from_millis(100));
+    assert!(proxy.is_running(), "the lame-duck period keeps it open");
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(143));
+    assert_eq!(wait_close(&mut parked, PATIENCE).0, Close::Reset);
+}
+
 #[test]
 fn connections_that_never_sent_a_byte_are_closed_at_once() {
     let backend = Backend::start();
