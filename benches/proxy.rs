@@ -526,6 +526,8 @@ fn h1_fixed_rate(plan: &Plan, subject: Subject, proxy: &Running, dir: &Path) -> 
     let mut p999 = sample(workload, subject, "latency p99.9", "µs", false);
     let log = dir.join("h2load-requests.log");
     for _ in 0..plan.reps {
+        // h2load appends to its log: each repetition starts a new one.
+        let _ = std::fs::remove_file(&log);
         let mut command = Command::new("h2load");
         command
             .args(["--h1", "-c", "32", "--rps", &(FIXED_RATE / 32).to_string()])
