@@ -247,26 +247,52 @@ fn tokens(value: &HeaderValue) -> impl Iterator<Item = &str> {
 /// Removes hop-by-hop headers: `Connection` and every header it names, and the fixed list.
 /// When `upgrading`, `Upgrade` and `Connection: upgrade` stay so the target sees the handshake.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
-    // Most messages carry none of them: one pass over the names, then nothing to do. (Headers
-    // named by `Connection` matter only when there is a `Connection`, itself in the list.)
-    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+    // Which of the fixed names are there: one pass over the names, and most messages carry
+    // none. (Headers named by `Connection` matter only when there is a `Connection`.)
+    let mut present = 0u8;
+    for name in headers.keys() {
+        if let Some(index) = HOP_BY_HOP.iter().position(|hop| hop == name) {
+            present |= 1 << index;
+        }
+    }
+    if present == 0 {
         return;
     }
-    let named: Vec<HeaderName> = headers
-        .get_all(CONNECTION)
-        .iter()
-        .flat_map(tokens)
-        .filter_map(|token| HeaderName::from_bytes(token.as_bytes()).ok())
-        .collect();
-    let upgrade = upgrading.then(|| headers.get(UPGRADE).cloned()).flatten();
-    let trailers = headers
-        .get_all(TE)
-        .iter()
-        .any(|value| tokens(value).any(|t| t.eq_ignore_ascii_case("trailers")));
+    let has = |name: &HeaderName| {
+        HOP_BY_HOP
+            .iter()
+            .position(|hop| hop == name)
+            .is_some_and(|index| present & (1 << index) != 0)
+    };
+    // The usual tokens (`keep-alive`, `close`, `upgrade`) name no header to remove beyond the
+    // fixed ones: no allocation for them.
+    let named: Vec<HeaderName> = match has(&CONNECTION) {
+        true => headers
+            .get_all(CONNECTION)
+            .iter()
+            .flat_map(tokens)
+            .filter(|token| {
+                !token.eq_ignore_ascii_case("close")
+                    && !HOP_BY_HOP
+                        .iter()
+                        .any(|hop| token.eq_ignore_ascii_case(hop.as_str()))
+            })
+            .filter_map(|token| HeaderName::from_bytes(token.as_bytes()).ok())
+            .collect(),
+        false => Vec::new(),
+    };
+    let upgrade = (upgrading && has(&UPGRADE))
+        .then(|| headers.get(UPGRADE).cloned())
+        .flatten();
+    let trailers = has(&TE)
+        && headers
+            .get_all(TE)
+            .iter()
+            .any(|value| tokens(value).any(|t| t.eq_ignore_ascii_case("trailers")));
     for name in named {
         headers.remove(name);
     }
-    for name in &HOP_BY_HOP {
+    for name in HOP_BY_HOP.iter().filter(|name| has(name)) {
         headers.remove(name);
     }
     if trailers {
