@@ -7,7 +7,9 @@
 //!
 //! Method: the proxy under test is pinned to CPU 0; the load generator (wrk, h2load, or this
 //! harness's own clients) and the target server are pinned to CPU 1. Proxy CPU time comes from
-//! /proc/PID/stat. Peers that are not installed are reported as skipped, never faked.
+//! /proc/PID/stat. Repetitions go round the subjects (rather than one subject's repetitions in a
+//! row), so that the shared machine's noisy spells spread over all of them. Peers that are not
+//! installed are reported as skipped, never faked.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -150,23 +152,44 @@ fn main() {
     // (a full run left it holding thousands, and start-up then measured 85 ms instead of 4).
     samples.extend(lifecycle(&plan, &target, &out_dir));
     // Memory is measured first on each fresh process, before any load has grown its pools.
+    // Then each repetition goes round every subject of the group, all of them running (idle
+    // while another is measured), so that a noisy minute on this shared machine falls on every
+    // subject alike instead of on whichever ran then.
+    let once = Plan { reps: 1, ..plan };
+    let mut running = Vec::new();
     for &subject in &http_subjects {
-        let mut proxy = Running::start(subject, &target, false, &out_dir);
+        let proxy = Running::start(subject, &target, false, &out_dir);
         samples.extend(idle_memory(&plan, subject, &proxy, true));
-        if installed("wrk") {
-            samples.extend(h1_keepalive(&plan, subject, &proxy));
-            samples.extend(h1_new_connections(&plan, subject, &proxy));
+        running.push((subject, proxy));
+    }
+    for _ in 0..plan.reps {
+        for (subject, proxy) in &running {
+            let mut round = Vec::new();
+            if installed("wrk") {
+                round.extend(h1_keepalive(&once, *subject, proxy));
+                round.extend(h1_new_connections(&once, *subject, proxy));
+            }
+            if installed("h2load") {
+                round.extend(h1_fixed_rate(&once, *subject, proxy, &out_dir));
+                round.extend(h2_multiplexed(&once, *subject, proxy));
+            }
+            merge(&mut samples, round);
         }
-        if installed("h2load") {
-            samples.extend(h1_fixed_rate(&plan, subject, &proxy, &out_dir));
-            samples.extend(h2_multiplexed(&plan, subject, &proxy));
-        }
+    }
+    for (_, mut proxy) in running.drain(..) {
         proxy.stop();
     }
     for &subject in &tcp_subjects {
-        let mut proxy = Running::start(subject, &target, true, &out_dir);
+        let proxy = Running::start(subject, &target, true, &out_dir);
         samples.extend(idle_memory(&plan, subject, &proxy, false));
-        samples.extend(tcp_bulk(&plan, subject, &proxy, &target));
+        running.push((subject, proxy));
+    }
+    for _ in 0..plan.reps {
+        for (subject, proxy) in &running {
+            merge(&mut samples, tcp_bulk(&once, *subject, proxy, &target));
+        }
+    }
+    for (_, mut proxy) in running.drain(..) {
         proxy.stop();
     }
     for tool in ["wrk", "h2load"] {
@@ -898,6 +921,19 @@ fn sample(
         unit,
         higher_is_better: higher,
         values: Vec::new(),
+    }
+}
+
+/// Adds one round's values to the samples of the earlier rounds.
+fn merge(samples: &mut Vec<Sample>, round: Vec<Sample>) {
+    for new in round {
+        let earlier = samples.iter_mut().find(|old| {
+            (old.workload, old.subject, old.metric) == (new.workload, new.subject, new.metric)
+        });
+        match earlier {
+            Some(old) => old.values.extend(new.values),
+            None => samples.push(new),
+        }
     }
 }
 
