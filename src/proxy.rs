@@ -25,7 +25,6 @@ use hyper::header::{
 };
 use hyper::upgrade::OnUpgrade;
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
-use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::{Instrument, debug};
@@ -33,7 +32,7 @@ use tracing::{Instrument, debug};
 use crate::conns::{ConnProtocol, Connection};
 use crate::http::{ConnCtx, HttpVersion, ServerIo};
 use crate::tcp;
-use crate::upstream::Connector;
+use crate::upstream::{Lease, SendError, Upstream};
 
 /// Headers that concern one hop only (RFC 9110 section 7.6.1), besides those `Connection` names.
 static HOP_BY_HOP: [HeaderName; 7] = [
@@ -85,7 +84,11 @@ async fn forward(
             .insert(CONNECTION, HeaderValue::from_static("close"));
     }
     let target = &ctx.handle.target_name;
-    if let Err(()) = absolute_uri(&mut request, target) {
+    let uri = match ctx.version {
+        HttpVersion::Http1 => origin_form(&mut request, target),
+        HttpVersion::Http2 => absolute_uri(&mut request, target),
+    };
+    if let Err(()) = uri {
         return Ok(error_response(
             &ctx,
             StatusCode::BAD_REQUEST,
@@ -94,15 +97,11 @@ async fn forward(
         ));
     }
 
-    let client = match ctx.version {
-        HttpVersion::Http1 => &ctx.handle.upstream.http1,
-        HttpVersion::Http2 => &ctx.handle.upstream.http2,
-    };
     let request = request.map(|body| match body_watch.take() {
         Some(watch) => Payload::Request(body, watch),
         None => Payload::Stream(body),
     });
-    let sent = send(client, request);
+    let sent = send(&ctx.handle.upstream, ctx.version, request);
     let result = match ctx.shared.http.response_timeout {
         Some(limit) => match tokio::time::timeout(limit, sent).await {
             Ok(result) => result,
@@ -118,25 +117,24 @@ async fn forward(
         },
         None => sent.await,
     };
-    let mut response = match result {
-        Ok(response) => response,
-        Err(error) => {
-            let (status, body) = if error.is_connect() && is_timeout(&error) {
-                (
+    let (mut response, lease) = match result {
+        Ok(sent) => sent,
+        Err(failure) => {
+            let (status, body) = match failure.kind {
+                FailureKind::ConnectTimeout => (
                     StatusCode::GATEWAY_TIMEOUT,
                     format!("gateway timeout: cannot connect to {target}\n"),
-                )
-            } else if error.is_connect() {
-                (
+                ),
+                FailureKind::Connect => (
                     StatusCode::BAD_GATEWAY,
                     format!("bad gateway: cannot connect to {target}\n"),
-                )
-            } else {
-                (
+                ),
+                FailureKind::ClosedBeforeResponse | FailureKind::Respond => (
                     StatusCode::BAD_GATEWAY,
                     format!("bad gateway: {target} failed to respond\n"),
-                )
+                ),
             };
+            let error = &failure.error;
             debug!(error = %error, source = ?error.source(), %status, "forwarding failed");
             return Ok(error_response(&ctx, status, body, in_flight));
         }
@@ -162,9 +160,18 @@ async fn forward(
             .insert(CONNECTION, HeaderValue::from_static("close"));
     }
     in_flight.record_status(&ctx, response.status());
+    // An upgraded connection is the tunnel's now; it never goes back to the pool. A response
+    // without a body is read to its end already (hyper will not poll it).
+    let lease = lease.filter(|_| !upgraded).map(|mut lease| {
+        if response.body().is_end_stream() {
+            lease.done();
+        }
+        lease
+    });
     Ok(response.map(|body| ProxyBody {
         payload: Payload::Stream(body),
         _in_flight: Some(in_flight),
+        lease,
     }))
 }
 
@@ -172,9 +179,10 @@ async fn forward(
 /// before answering (the keep-alive race) is sent once more, on a fresh connection, as RFC 9110
 /// section 9.2.2 allows. Anything else is never replayed.
 async fn send(
-    client: &Client<Connector, Payload>,
+    upstream: &Upstream,
+    version: HttpVersion,
     request: Request<Payload>,
-) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
+) -> Result<(Response<Incoming>, Option<Lease>), Failure> {
     let replay = replayable(&request).then(|| {
         let mut copy = Request::new(Payload::Bytes(None));
         *copy.method_mut() = request.method().clone();
@@ -183,14 +191,72 @@ async fn send(
         *copy.headers_mut() = request.headers().clone();
         copy
     });
-    let first = client.request(request).await;
+    let first = send_once(upstream, version, request).await;
     match (first, replay) {
-        (Err(error), Some(again)) if closed_before_response(&error) => {
-            debug!(%error, "the target closed a pooled connection before answering; retrying once");
-            client.request(again).await
+        (Err(failure), Some(again)) if failure.kind == FailureKind::ClosedBeforeResponse => {
+            debug!(error = %failure.error, "the target closed a pooled connection before answering; retrying once");
+            send_once(upstream, version, again).await
         }
         (first, _) => first,
     }
+}
+
+async fn send_once(
+    upstream: &Upstream,
+    version: HttpVersion,
+    request: Request<Payload>,
+) -> Result<(Response<Incoming>, Option<Lease>), Failure> {
+    match version {
+        HttpVersion::Http1 => match upstream.http1.send(request).await {
+            Ok((response, lease)) => Ok((response, Some(lease))),
+            Err(SendError::Connect(error)) => Err(Failure {
+                kind: match error.kind() {
+                    io::ErrorKind::TimedOut => FailureKind::ConnectTimeout,
+                    _ => FailureKind::Connect,
+                },
+                error: error.into(),
+            }),
+            Err(SendError::Http(error)) => Err(Failure {
+                kind: match error.is_incomplete_message() || error.is_canceled() {
+                    true => FailureKind::ClosedBeforeResponse,
+                    false => FailureKind::Respond,
+                },
+                error: error.into(),
+            }),
+        },
+        HttpVersion::Http2 => match upstream.http2.request(request).await {
+            Ok(response) => Ok((response, None)),
+            Err(error) => Err(Failure {
+                kind: match (error.is_connect(), is_timeout(&error)) {
+                    (true, true) => FailureKind::ConnectTimeout,
+                    (true, false) => FailureKind::Connect,
+                    (false, _) if closed_before_response(&error) => {
+                        FailureKind::ClosedBeforeResponse
+                    }
+                    (false, _) => FailureKind::Respond,
+                },
+                error: error.into(),
+            }),
+        },
+    }
+}
+
+/// Why a request got no response from the target.
+struct Failure {
+    kind: FailureKind,
+    error: Box<dyn std::error::Error + Send + Sync>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FailureKind {
+    /// No connection within the connect timeout (504).
+    ConnectTimeout,
+    /// The target refused the connection or could not be resolved (502).
+    Connect,
+    /// A reused connection that the target had closed (502, unless the request is replayed).
+    ClosedBeforeResponse,
+    /// The connection failed before the response's head arrived (502).
+    Respond,
 }
 
 fn replayable(request: &Request<Payload>) -> bool {
@@ -304,8 +370,41 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
     }
 }
 
-/// Gives the request the absolute URI the pooled client needs: the client's `Host` (or
-/// `:authority`) as authority, falling back to the target. CONNECT keeps its authority form.
+/// Gives an HTTP/1 request the origin-form URI it is sent with (CONNECT keeps its authority
+/// form) and a `Host`: the client's, else the authority of an absolute-form URI, else the
+/// target. A `Host` that is not a valid authority is refused (400).
+fn origin_form(request: &mut Request<Incoming>, target: &str) -> Result<(), ()> {
+    if request.method() == Method::CONNECT {
+        return Ok(());
+    }
+    let uri = request.uri();
+    let absolute = uri.scheme().is_some() && uri.authority().is_some();
+    match request.headers().get(HOST) {
+        Some(host) if !absolute => {
+            hyper::http::uri::Authority::try_from(host.as_bytes()).map_err(|_| ())?;
+        }
+        Some(_) => {}
+        None => {
+            let authority = uri
+                .authority()
+                .map_or(target, |authority| authority.as_str());
+            let host = HeaderValue::from_str(authority).map_err(|_| ())?;
+            request.headers_mut().insert(HOST, host);
+        }
+    }
+    if absolute {
+        let path = request
+            .uri()
+            .path_and_query()
+            .map_or("/", |path| path.as_str());
+        *request.uri_mut() = Uri::try_from(path).map_err(|_| ())?;
+    }
+    Ok(())
+}
+
+/// Gives an HTTP/2 request the absolute URI hyper-util's pooled client needs: the client's
+/// `:authority` (or `Host`) as authority, falling back to the target. CONNECT keeps its
+/// authority form.
 fn absolute_uri(request: &mut Request<Incoming>, target: &str) -> Result<(), ()> {
     let uri = request.uri();
     if request.method() == Method::CONNECT || (uri.scheme().is_some() && uri.authority().is_some())
@@ -350,6 +449,7 @@ fn error_response(
     let mut response = Response::new(ProxyBody {
         payload: Payload::Bytes(Some(Bytes::from(body))),
         _in_flight: None,
+        lease: None,
     });
     *response.status_mut() = status;
     response.headers_mut().insert(
@@ -535,10 +635,12 @@ impl Body for Payload {
     }
 }
 
-/// A response body, holding its request's [`InFlight`] until the body ends.
+/// A response body, holding its request's [`InFlight`] until the body ends, and for HTTP/1 the
+/// pooled connection it comes from, which goes back to the pool once the body has ended.
 pub struct ProxyBody {
     payload: Payload,
     _in_flight: Option<InFlight>,
+    lease: Option<Lease>,
 }
 
 impl Body for ProxyBody {
@@ -549,7 +651,19 @@ impl Body for ProxyBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        Pin::new(&mut self.get_mut().payload).poll_frame(cx)
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.payload).poll_frame(cx);
+        if let Some(lease) = &mut this.lease {
+            let ended = match &poll {
+                Poll::Ready(None) => true,
+                Poll::Ready(Some(Ok(_))) => this.payload.is_end_stream(),
+                _ => false,
+            };
+            if ended {
+                lease.done();
+            }
+        }
+        poll
     }
 
     fn is_end_stream(&self) -> bool {

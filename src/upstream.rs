@@ -1,5 +1,6 @@
-//! Connections to a route's target for HTTP: one pooled keep-alive client per route and HTTP
-//! version (HTTP/1.1 towards HTTP/1 clients, HTTP/2 prior knowledge towards HTTP/2 clients).
+//! Connections to a route's target for HTTP, pooled per route: HTTP/1.1 keep-alive connections
+//! towards HTTP/1 clients ([`Http1Pool`], ours), HTTP/2 prior knowledge towards HTTP/2 clients
+//! (hyper-util's pooled client, which shares one connection among streams).
 //!
 //! The connector ignores the request's URI and always dials the route's target (resolving a
 //! host name at connect time), so the client's `Host` / `:authority` reaches the app unchanged.
@@ -10,14 +11,17 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use hyper::Uri;
+use hyper::body::Incoming;
+use hyper::client::conn::http1;
+use hyper::{Request, Response, Uri};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
+use tracing::debug;
 
 use crate::config::{Direction, Target};
 use crate::metrics::Metrics;
@@ -27,9 +31,9 @@ use crate::tcp;
 /// How long an idle pooled connection to a target is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
-/// The pooled clients of one route.
+/// The pooled connections of one route.
 pub struct Upstream {
-    pub http1: Client<Connector, Payload>,
+    pub http1: Arc<Http1Pool>,
     pub http2: Client<Connector, Payload>,
 }
 
@@ -46,15 +50,16 @@ impl Upstream {
             connect_timeout,
             metrics,
         };
-        let mut builder = Client::builder(TokioExecutor::new());
-        builder
+        let http2 = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .pool_timer(TokioTimer::new());
-        let http1 = builder.build(connector.clone());
-        let http2 = builder
+            .pool_timer(TokioTimer::new())
             .http2_only(true)
             .timer(TokioTimer::new())
-            .build(connector);
+            .build(connector.clone());
+        let http1 = Arc::new(Http1Pool {
+            connector,
+            idle: Mutex::new(Vec::new()),
+        });
         Upstream { http1, http2 }
     }
 }
@@ -79,17 +84,171 @@ impl tower_service::Service<Uri> for Connector {
 
     fn call(&mut self, _: Uri) -> Self::Future {
         let this = self.clone();
-        Box::pin(async move {
-            match tcp::connect(&this.target, this.connect_timeout).await {
-                Ok(stream) => {
-                    let _ = stream.set_nodelay(true);
-                    Ok(TokioIo::new(stream))
-                }
-                Err((failure, error)) => {
-                    this.metrics.connect_failed(this.direction, failure);
-                    Err(error)
+        Box::pin(async move { this.connect().await.map(TokioIo::new) })
+    }
+}
+
+impl Connector {
+    async fn connect(&self) -> io::Result<TcpStream> {
+        match tcp::connect(&self.target, self.connect_timeout).await {
+            Ok(stream) => {
+                let _ = stream.set_nodelay(true);
+                Ok(stream)
+            }
+            Err((failure, error)) => {
+                self.metrics.connect_failed(self.direction, failure);
+                Err(error)
+            }
+        }
+    }
+}
+
+/// Why a request could not be sent to the target, or got no response.
+#[derive(Debug)]
+pub enum SendError {
+    /// No connection to the target (refused, unresolvable, or not within the connect timeout).
+    Connect(io::Error),
+    /// The connection failed before the response's head arrived.
+    Http(hyper::Error),
+}
+
+/// Idle HTTP/1.1 keep-alive connections to a route's target, the most recently used on top.
+///
+/// A request takes the top one (or dials a new one) and gets, with its response, a [`Lease`]
+/// that puts the connection back once the response body has been read to its end; a response
+/// cut short, or one that asks to close, never brings its connection back. No key, no
+/// hashing and no task per request: one route, one target. A connection idle for
+/// [`POOL_IDLE_TIMEOUT`] is dropped when the pool is next used. Each connection runs on a task
+/// of its own, outside the drain (see the module's documentation).
+pub struct Http1Pool {
+    connector: Connector,
+    idle: Mutex<Vec<Idle>>,
+}
+
+struct Idle {
+    sender: http1::SendRequest<Payload>,
+    since: Instant,
+}
+
+impl Http1Pool {
+    /// Sends `request` on an idle connection or a new one. A request that an idle connection
+    /// could not take at all (the target had closed it) goes to the next one.
+    pub async fn send(
+        self: &Arc<Self>,
+        mut request: Request<Payload>,
+    ) -> Result<(Response<Incoming>, Lease), SendError> {
+        loop {
+            let (mut sender, reused) = match self.checkout() {
+                Some(sender) => (sender, true),
+                None => (self.dial().await?, false),
+            };
+            if let Err(error) = sender.ready().await {
+                match reused {
+                    true => continue,
+                    false => return Err(SendError::Http(error)),
                 }
             }
-        })
+            match sender.try_send_request(request).await {
+                Ok(response) => {
+                    let lease = Lease {
+                        sender: Some(sender),
+                        pool: self.clone(),
+                        done: false,
+                    };
+                    return Ok((response, lease));
+                }
+                Err(mut error) => match error.take_message() {
+                    Some(unsent) if reused => request = unsent,
+                    _ => return Err(SendError::Http(error.into_error())),
+                },
+            }
+        }
+    }
+
+    fn checkout(&self) -> Option<http1::SendRequest<Payload>> {
+        let mut idle = self
+            .idle
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let now = Instant::now();
+        // The oldest are at the bottom: drop those idle for too long.
+        let expired = idle
+            .iter()
+            .take_while(|entry| now.duration_since(entry.since) >= POOL_IDLE_TIMEOUT)
+            .count();
+        idle.drain(..expired);
+        while let Some(entry) = idle.pop() {
+            if !entry.sender.is_closed() {
+                return Some(entry.sender);
+            }
+        }
+        None
+    }
+
+    async fn dial(&self) -> Result<http1::SendRequest<Payload>, SendError> {
+        let stream = self.connector.connect().await.map_err(SendError::Connect)?;
+        let (sender, connection) = http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(SendError::Http)?;
+        tokio::spawn(async move {
+            if let Err(error) = connection.with_upgrades().await {
+                debug!(%error, "connection to the target ended with an error");
+            }
+        });
+        Ok(sender)
+    }
+
+    fn put(&self, sender: http1::SendRequest<Payload>) {
+        let entry = Idle {
+            sender,
+            since: Instant::now(),
+        };
+        let mut idle = self
+            .idle
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        idle.push(entry);
+    }
+}
+
+/// A pooled connection lent to one request, until its response body ends.
+pub struct Lease {
+    sender: Option<http1::SendRequest<Payload>>,
+    pool: Arc<Http1Pool>,
+    done: bool,
+}
+
+impl Lease {
+    /// The response body was read to its end: the connection may serve another request.
+    pub fn done(&mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let Some(sender) = self.sender.take() else {
+            return;
+        };
+        if !self.done || sender.is_closed() {
+            return;
+        }
+        if sender.is_ready() {
+            self.pool.put(sender);
+            return;
+        }
+        // Still finishing the request's body (the target answered early) or its own
+        // bookkeeping: back once it can take a request, if it can. (No runtime: the process is
+        // ending, and the connection with it.)
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let pool = self.pool.clone();
+        runtime.spawn(async move {
+            let mut sender = sender;
+            if sender.ready().await.is_ok() {
+                pool.put(sender);
+            }
+        });
     }
 }

@@ -91,6 +91,86 @@ fn http1_requests_reach_the_app_with_their_host_and_without_hop_by_hop_headers()
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
 
+/// Requests reach the app in origin form, always with a `Host`: the client's, else the
+/// absolute-form URI's authority, else the target; a `Host` that is no authority gets 400.
+#[test]
+fn http1_requests_reach_the_app_in_origin_form_with_a_host() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &[]);
+    let exchange = |raw: &[u8]| {
+        let mut client = send_raw(proxy.inbound[0], raw);
+        read_response(&mut client).unwrap().status
+    };
+    let absolute = b"GET http://app.local/echo?x=1 HTTP/1.1\r\nHost: app.local\r\n\r\n";
+    assert_eq!(exchange(absolute), 200);
+    assert_eq!(exchange(b"GET /echo?y=2 HTTP/1.0\r\n\r\n"), 200);
+    let seen = backend.seen();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[0].uri, "/echo?x=1");
+    assert_eq!(seen[0].header("host"), Some("app.local"));
+    assert_eq!(seen[1].uri, "/echo?y=2");
+    assert_eq!(
+        seen[1].header("host"),
+        Some(backend.addr.to_string().as_str()),
+        "a request without Host names the target"
+    );
+
+    assert_eq!(exchange(b"GET /echo HTTP/1.1\r\nHost: a b\r\n\r\n"), 400);
+    assert_eq!(
+        backend.seen().len(),
+        2,
+        "the bad request never reached the app"
+    );
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
+
+/// A keep-alive connection to the app serves request after request, whichever client sends
+/// them, once each response has been read to its end; a response cut short by its client
+/// leaves its connection unusable, and it is never reused.
+#[test]
+fn connections_to_the_app_are_reused_only_after_a_whole_response() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &[]);
+    let exchange = |path: &str| {
+        let mut client = send_raw(proxy.inbound[0], &get(path));
+        let response = read_response(&mut client).unwrap();
+        assert_eq!(response.status, 200);
+        response.body.len()
+    };
+    exchange("/");
+    exchange("/");
+    assert_eq!(exchange("/slow?chunks=5&size=1000&interval=10"), 5000);
+    exchange("/");
+    let connections = |seen: &[support::backend::Seen]| -> Vec<usize> {
+        seen.iter().map(|seen| seen.connection).collect()
+    };
+    assert_eq!(
+        connections(&backend.seen()),
+        [0, 0, 0, 0],
+        "one connection to the app for one client at a time"
+    );
+
+    // A client that goes away in the middle of a streamed response.
+    let mut cut = send_raw(
+        proxy.inbound[0],
+        &get("/slow?chunks=100&size=1000&interval=20"),
+    );
+    let mut head = [0u8; 64];
+    assert!(cut.read(&mut head).unwrap() > 0);
+    drop(cut);
+    thread::sleep(Duration::from_millis(300));
+    exchange("/");
+    let seen = connections(&backend.seen());
+    assert_eq!(seen[4], 0, "the cut response had the pooled connection");
+    assert_ne!(
+        seen[5], 0,
+        "a connection with a response cut short was reused"
+    );
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
+
 #[test]
 fn http1_inflight_request_completes_with_connection_close() {
     let backend = Backend::start();

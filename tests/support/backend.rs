@@ -21,6 +21,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 pub struct Seen {
     pub method: String,
     pub path: String,
+    /// The request target as it arrived (origin form, or absolute form).
+    pub uri: String,
+    /// Which of the backend's connections it came on (0 for the first accepted).
+    pub connection: usize,
     pub version: String,
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
@@ -56,14 +60,14 @@ impl Backend {
             runtime.block_on(async move {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 tx.send(listener.local_addr().unwrap()).unwrap();
-                loop {
+                for connection in 0.. {
                     let Ok((stream, _)) = listener.accept().await else {
                         continue;
                     };
                     let recorded = recorded.clone();
                     tokio::spawn(async move {
                         let service = hyper::service::service_fn(move |request| {
-                            handle(request, recorded.clone())
+                            handle(request, connection, recorded.clone())
                         });
                         let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                             .serve_connection_with_upgrades(TokioIo::new(stream), service)
@@ -143,11 +147,13 @@ fn tokio_stream_from<T: Send + 'static>(
 
 async fn handle(
     mut request: Request<Incoming>,
+    connection: usize,
     recorded: Arc<Mutex<Vec<Seen>>>,
 ) -> Result<Response<Body>, Infallible> {
     let q = query(&request);
     let num = |key: &str, default: u64| q.get(key).and_then(|v| v.parse().ok()).unwrap_or(default);
     let path = request.uri().path().to_string();
+    let uri = request.uri().to_string();
     let method = request.method().to_string();
     let version = format!("{:?}", request.version());
     let headers = request
@@ -175,6 +181,8 @@ async fn handle(
     let seen = Seen {
         method,
         path: request_path(&path, &q),
+        uri,
+        connection,
         version,
         headers,
         body: body.clone(),
