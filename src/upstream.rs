@@ -11,7 +11,8 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -59,6 +60,7 @@ impl Upstream {
         let http1 = Arc::new(Http1Pool {
             connector,
             idle: Mutex::new(Vec::new()),
+            sweeping: AtomicBool::new(false),
         });
         Upstream { http1, http2 }
     }
@@ -118,11 +120,14 @@ pub enum SendError {
 /// that puts the connection back once the response body has been read to its end; a response
 /// cut short, or one that asks to close, never brings its connection back. No key, no
 /// hashing and no task per request: one route, one target. A connection idle for
-/// [`POOL_IDLE_TIMEOUT`] is dropped when the pool is next used. Each connection runs on a task
-/// of its own, outside the drain (see the module's documentation).
+/// [`POOL_IDLE_TIMEOUT`] is closed (by a sweep every half of that, or when the pool is next
+/// used). Each connection runs on a task of its own, outside the drain (see the module's
+/// documentation).
 pub struct Http1Pool {
     connector: Connector,
     idle: Mutex<Vec<Idle>>,
+    /// Set once the sweeping task runs (from the first connection on).
+    sweeping: AtomicBool,
 }
 
 struct Idle {
@@ -165,18 +170,24 @@ impl Http1Pool {
         }
     }
 
-    fn checkout(&self) -> Option<http1::SendRequest<Payload>> {
+    /// The idle connections, once those idle for too long are closed (the oldest are at the
+    /// bottom).
+    fn idle(&self) -> MutexGuard<'_, Vec<Idle>> {
         let mut idle = self
             .idle
             .lock()
             .unwrap_or_else(|poison| poison.into_inner());
         let now = Instant::now();
-        // The oldest are at the bottom: drop those idle for too long.
         let expired = idle
             .iter()
             .take_while(|entry| now.duration_since(entry.since) >= POOL_IDLE_TIMEOUT)
             .count();
         idle.drain(..expired);
+        idle
+    }
+
+    fn checkout(&self) -> Option<http1::SendRequest<Payload>> {
+        let mut idle = self.idle();
         while let Some(entry) = idle.pop() {
             if !entry.sender.is_closed() {
                 return Some(entry.sender);
@@ -185,7 +196,19 @@ impl Http1Pool {
         None
     }
 
-    async fn dial(&self) -> Result<http1::SendRequest<Payload>, SendError> {
+    async fn dial(self: &Arc<Self>) -> Result<http1::SendRequest<Payload>, SendError> {
+        if !self.sweeping.swap(true, Ordering::Relaxed) {
+            let pool = Arc::downgrade(self);
+            tokio::spawn(async move {
+                let mut sweep = tokio::time::interval(POOL_IDLE_TIMEOUT / 2);
+                sweep.tick().await;
+                loop {
+                    sweep.tick().await;
+                    let Some(pool) = pool.upgrade() else { return };
+                    drop(pool.idle());
+                }
+            });
+        }
         let stream = self.connector.connect().await.map_err(SendError::Connect)?;
         let (sender, connection) = http1::handshake(TokioIo::new(stream))
             .await
@@ -203,11 +226,7 @@ impl Http1Pool {
             sender,
             since: Instant::now(),
         };
-        let mut idle = self
-            .idle
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
-        idle.push(entry);
+        self.idle().push(entry);
     }
 }
 
