@@ -176,7 +176,7 @@ async fn forward(
 }
 
 /// Sends a request; a bodiless idempotent request whose pooled connection the target closed
-/// before answering (the keep-alive race) is sent once more, on a fresh connection, as RFC 9110
+/// before answering (the keep-alive race) is sent once more, on another connection, as RFC 9110
 /// section 9.2.2 allows. Anything else is never replayed.
 async fn send(
     upstream: &Upstream,
