@@ -145,6 +145,12 @@ fn accept_queued(listener: TcpListener, handle: &Arc<RouteHandle>, shared: &Arc<
             return;
         }
     };
+    // From here on the kernel drops new SYNs (their clients retry, and meet the closed port):
+    // no connection completes its handshake between the last accept and the close, where the
+    // close would reset it after its client had sent a request.
+    if let Err(error) = socket2::SockRef::from(&listener).attach_filter(&DROP_SYN) {
+        debug!(%error, "could not filter new handshakes out before closing the listener");
+    }
     let mut queued = 0usize;
     loop {
         match listener.accept() {
@@ -170,10 +176,30 @@ fn accept_queued(listener: TcpListener, handle: &Arc<RouteHandle>, shared: &Arc<
             Err(_) => continue,
         }
     }
+    // Closing the socket makes the kernel refuse new connection attempts.
+    drop(listener);
     if queued > 0 {
         info!(direction = %route.direction, listen = %route.listen, queued, "accepted queued connections while closing");
     }
-    // Dropping `listener` closes the socket: the kernel refuses new connection attempts.
+}
+
+/// A classic BPF socket filter that drops TCP segments with SYN set (the flags are byte 13 of
+/// the TCP header, where a socket filter starts) and keeps the rest: the last segment of a
+/// handshake already under way, and data, still come in.
+const DROP_SYN: [libc::sock_filter; 4] = [
+    bpf(libc::BPF_LD | libc::BPF_B | libc::BPF_ABS, 0, 0, 13),
+    bpf(libc::BPF_JMP | libc::BPF_JSET | libc::BPF_K, 0, 1, 0x02),
+    bpf(libc::BPF_RET | libc::BPF_K, 0, 0, 0),
+    bpf(libc::BPF_RET | libc::BPF_K, 0, 0, u32::MAX),
+];
+
+const fn bpf(code: u32, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
+    libc::sock_filter {
+        code: code as u16,
+        jt,
+        jf,
+        k,
+    }
 }
 
 fn spawn_connection(
@@ -337,5 +363,36 @@ impl AcceptErrors {
         }
         tokio::time::sleep(self.backoff).await;
         self.backoff = (self.backoff * 2).min(ACCEPT_BACKOFF_MAX);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::time::Duration;
+
+    use super::DROP_SYN;
+
+    /// Once the filter is on, a new connection attempt does not complete (its SYN is dropped),
+    /// while a connection whose handshake was done already is accepted with its bytes.
+    #[test]
+    fn the_closing_filter_drops_new_handshakes_and_keeps_queued_connections() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut queued = TcpStream::connect(addr).unwrap();
+        socket2::SockRef::from(&listener)
+            .attach_filter(&DROP_SYN)
+            .unwrap();
+        queued.write_all(b"request").unwrap();
+        let late = TcpStream::connect_timeout(&addr, Duration::from_millis(300));
+        assert!(late.is_err(), "a handshake completed after the filter");
+        let (mut accepted, _) = listener.accept().unwrap();
+        accepted
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut bytes = [0u8; 7];
+        accepted.read_exact(&mut bytes).unwrap();
+        assert_eq!(&bytes, b"request");
     }
 }
