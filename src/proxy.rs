@@ -607,10 +607,8 @@ impl Body for Payload {
             Payload::Stream(body) => Pin::new(body).poll_frame(cx),
             Payload::Request(body, watch) => {
                 let poll = Pin::new(&mut *body).poll_frame(cx);
-                match &poll {
-                    Poll::Ready(None) => watch.ended = true,
-                    Poll::Ready(Some(Ok(_))) if body.is_end_stream() => watch.ended = true,
-                    _ => {}
+                if reached_end(&poll, &*body) {
+                    watch.ended = true;
                 }
                 poll
             }
@@ -635,6 +633,16 @@ impl Body for Payload {
     }
 }
 
+/// Whether `body`, having answered `poll`, has been read to its end: no more frames, or the
+/// last one (hyper may never poll a body again once it says it is at its end).
+fn reached_end<B: Body>(poll: &Poll<Option<Result<Frame<Bytes>, hyper::Error>>>, body: &B) -> bool {
+    match poll {
+        Poll::Ready(None) => true,
+        Poll::Ready(Some(Ok(_))) => body.is_end_stream(),
+        _ => false,
+    }
+}
+
 /// A response body, holding its request's [`InFlight`] until the body ends, and for HTTP/1 the
 /// pooled connection it comes from, which goes back to the pool once the body has ended.
 pub struct ProxyBody {
@@ -653,15 +661,10 @@ impl Body for ProxyBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = self.get_mut();
         let poll = Pin::new(&mut this.payload).poll_frame(cx);
-        if let Some(lease) = &mut this.lease {
-            let ended = match &poll {
-                Poll::Ready(None) => true,
-                Poll::Ready(Some(Ok(_))) => this.payload.is_end_stream(),
-                _ => false,
-            };
-            if ended {
-                lease.done();
-            }
+        if let Some(lease) = &mut this.lease
+            && reached_end(&poll, &this.payload)
+        {
+            lease.done();
         }
         poll
     }
