@@ -4,6 +4,9 @@
 //! repetitions each, and writes a markdown table and JSON to `target/bench/`.
 //! `cargo bench --bench proxy -- --quick` runs about a second per workload, lameduck and no
 //! proxy only (what `.ci/run` does, so the harness cannot rot).
+//! `-- --only TEXT` runs only the workloads whose name contains TEXT (for example
+//! `--only "http1 keep-alive"`), to iterate on one of them; `-- --reps N` sets the repetitions;
+//! `-- --target-only` starts the target alone and prints its addresses (to profile by hand).
 //!
 //! Method: the proxy under test is pinned to CPU 0; the load generator (wrk, h2load, or this
 //! harness's own clients) and the target server are pinned to CPU 1. Proxy CPU time comes from
@@ -32,6 +35,8 @@ const NGINX_STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.so";
 #[derive(Clone, Copy)]
 struct Plan {
     quick: bool,
+    /// Only the workloads whose name contains this (`--only TEXT`).
+    only: Option<&'static str>,
     seconds: u64,
     reps: usize,
     idle_connections: usize,
@@ -47,6 +52,12 @@ struct Sample {
     /// Higher is better (throughput) or lower is better (latency, CPU, memory, time).
     higher_is_better: bool,
     values: Vec<f64>,
+}
+
+impl Plan {
+    fn wants(&self, workload: &str) -> bool {
+        self.only.is_none_or(|only| workload.contains(only))
+    }
 }
 
 impl Sample {
@@ -102,28 +113,54 @@ const TCP_SUBJECTS: [Subject; 4] = [
 ];
 
 fn main() {
-    let quick = std::env::args().any(|arg| arg == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|arg| arg == "--quick");
+    let only = args.iter().position(|arg| arg == "--only").map(|at| {
+        &*args
+            .get(at + 1)
+            .expect("--only needs a workload name")
+            .clone()
+            .leak()
+    });
     // The harness holds both ends of every idle connection for the TCP rows (client, and the
     // target's side): four descriptors per connection with room to spare must fit the limit.
     let fd_limit = raise_fd_limit(65_536);
     let mut plan = match quick {
         true => Plan {
             quick,
+            only,
             seconds: 1,
             reps: 1,
             idle_connections: 500,
         },
         false => Plan {
             quick,
+            only,
             seconds: 5,
             reps: 3,
             idle_connections: 10_000,
         },
     };
+    if let Some(reps) = args.iter().position(|arg| arg == "--reps") {
+        plan.reps = args
+            .get(reps + 1)
+            .and_then(|n| n.parse().ok())
+            .expect("--reps N");
+    }
     plan.idle_connections = plan.idle_connections.min(fd_limit as usize / 5);
     let out_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
     std::fs::create_dir_all(&out_dir).unwrap();
     let target = Target::start();
+    if args.iter().any(|arg| arg == "--target-only") {
+        // For profiling one proxy by hand: the same target, until interrupted.
+        println!(
+            "target: http {} sink {} hold {}",
+            target.http, target.sink, target.hold
+        );
+        loop {
+            thread::park();
+        }
+    }
     let mut samples = Vec::new();
     let mut skipped = Vec::new();
     let mut subjects = |all: [Subject; 4]| -> Vec<Subject> {
@@ -150,7 +187,9 @@ fn main() {
 
     // Start-up and shutdown first, while the harness holds no connections of earlier workloads
     // (a full run left it holding thousands, and start-up then measured 85 ms instead of 4).
-    samples.extend(lifecycle(&plan, &target, &out_dir));
+    if plan.wants("lifecycle") {
+        samples.extend(lifecycle(&plan, &target, &out_dir));
+    }
     // Memory is measured first on each fresh process, before any load has grown its pools.
     // Then each repetition goes round every subject of the group, all of them running (idle
     // while another is measured), so that a noisy minute on this shared machine falls on every
@@ -159,18 +198,24 @@ fn main() {
     let mut running = Vec::new();
     for &subject in &http_subjects {
         let proxy = Running::start(subject, &target, false, &out_dir);
-        samples.extend(idle_memory(&plan, subject, &proxy, true));
+        if plan.wants("memory, idle http1 keep-alive") {
+            samples.extend(idle_memory(&plan, subject, &proxy, true));
+        }
         running.push((subject, proxy));
     }
     for _ in 0..plan.reps {
         for (subject, proxy) in &running {
             let mut round = Vec::new();
-            if installed("wrk") {
+            if installed("wrk") && plan.wants("http1 keep-alive") {
                 round.extend(h1_keepalive(&once, *subject, proxy));
+            }
+            if installed("wrk") && plan.wants("http1 new connection per request") {
                 round.extend(h1_new_connections(&once, *subject, proxy));
             }
-            if installed("h2load") {
+            if installed("h2load") && plan.wants("http1 keep-alive, 10,000 req/s") {
                 round.extend(h1_fixed_rate(&once, *subject, proxy, &out_dir));
+            }
+            if installed("h2load") && plan.wants("http2 multiplexed") {
                 round.extend(h2_multiplexed(&once, *subject, proxy));
             }
             merge(&mut samples, round);
@@ -181,12 +226,16 @@ fn main() {
     }
     for &subject in &tcp_subjects {
         let proxy = Running::start(subject, &target, true, &out_dir);
-        samples.extend(idle_memory(&plan, subject, &proxy, false));
+        if plan.wants("memory, idle tcp connection pair") {
+            samples.extend(idle_memory(&plan, subject, &proxy, false));
+        }
         running.push((subject, proxy));
     }
     for _ in 0..plan.reps {
         for (subject, proxy) in &running {
-            merge(&mut samples, tcp_bulk(&once, *subject, proxy, &target));
+            if plan.wants("tcp bulk transfer") {
+                merge(&mut samples, tcp_bulk(&once, *subject, proxy, &target));
+            }
         }
     }
     for (_, mut proxy) in running.drain(..) {

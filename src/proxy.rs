@@ -9,7 +9,6 @@
 //! looks complete.
 
 use std::convert::Infallible;
-use std::error::Error as _;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -206,39 +205,34 @@ async fn send_once(
     version: HttpVersion,
     request: Request<Payload>,
 ) -> Result<(Response<Incoming>, Option<Lease>), Failure> {
-    match version {
-        HttpVersion::Http1 => match upstream.http1.send(request).await {
-            Ok((response, lease)) => Ok((response, Some(lease))),
-            Err(SendError::Connect(error)) => Err(Failure {
-                kind: match error.kind() {
-                    io::ErrorKind::TimedOut => FailureKind::ConnectTimeout,
-                    _ => FailureKind::Connect,
-                },
-                error: error.into(),
-            }),
-            Err(SendError::Http(error)) => Err(Failure {
-                kind: match error.is_incomplete_message() || error.is_canceled() {
-                    true => FailureKind::ClosedBeforeResponse,
-                    false => FailureKind::Respond,
-                },
-                error: error.into(),
-            }),
+    let sent = match version {
+        HttpVersion::Http1 => upstream
+            .http1
+            .send(request)
+            .await
+            .map(|(response, lease)| (response, Some(lease))),
+        HttpVersion::Http2 => upstream
+            .http2
+            .send(request)
+            .await
+            .map(|response| (response, None)),
+    };
+    sent.map_err(|error| match error {
+        SendError::Connect(error) => Failure {
+            kind: match error.kind() {
+                io::ErrorKind::TimedOut => FailureKind::ConnectTimeout,
+                _ => FailureKind::Connect,
+            },
+            error: error.into(),
         },
-        HttpVersion::Http2 => match upstream.http2.request(request).await {
-            Ok(response) => Ok((response, None)),
-            Err(error) => Err(Failure {
-                kind: match (error.is_connect(), is_timeout(&error)) {
-                    (true, true) => FailureKind::ConnectTimeout,
-                    (true, false) => FailureKind::Connect,
-                    (false, _) if closed_before_response(&error) => {
-                        FailureKind::ClosedBeforeResponse
-                    }
-                    (false, _) => FailureKind::Respond,
-                },
-                error: error.into(),
-            }),
+        SendError::Http(error) => Failure {
+            kind: match error.is_incomplete_message() || error.is_canceled() {
+                true => FailureKind::ClosedBeforeResponse,
+                false => FailureKind::Respond,
+            },
+            error: error.into(),
         },
-    }
+    })
 }
 
 /// Why a request got no response from the target.
@@ -265,19 +259,6 @@ fn replayable(request: &Request<Payload>) -> bool {
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
     );
     idempotent && request.body().is_end_stream()
-}
-
-/// The error of a request that the target never started answering because it closed the
-/// (reused) connection: hyper's "incomplete message" or a send cancelled by the close.
-fn closed_before_response(error: &hyper_util::client::legacy::Error) -> bool {
-    let mut source = error.source();
-    while let Some(cause) = source {
-        if let Some(hyper) = cause.downcast_ref::<hyper::Error>() {
-            return hyper.is_incomplete_message() || hyper.is_canceled();
-        }
-        source = cause.source();
-    }
-    false
 }
 
 /// WebSocket-style upgrades (`Connection: upgrade` with `Upgrade`) and CONNECT.
@@ -424,20 +405,6 @@ fn absolute_uri(request: &mut Request<Incoming>, target: &str) -> Result<(), ()>
         .build()
         .map_err(|_| ())?;
     Ok(())
-}
-
-fn is_timeout(error: &hyper_util::client::legacy::Error) -> bool {
-    let mut source = error.source();
-    while let Some(cause) = source {
-        if cause
-            .downcast_ref::<io::Error>()
-            .is_some_and(|io| io.kind() == io::ErrorKind::TimedOut)
-        {
-            return true;
-        }
-        source = cause.source();
-    }
-    false
 }
 
 fn error_response(

@@ -1,6 +1,8 @@
 //! Connections to a route's target for HTTP, pooled per route: HTTP/1.1 keep-alive connections
-//! towards HTTP/1 clients ([`Http1Pool`], ours), HTTP/2 prior knowledge towards HTTP/2 clients
-//! (hyper-util's pooled client, which shares one connection among streams).
+//! towards HTTP/1 clients ([`Http1Pool`]), one HTTP/2 prior-knowledge connection shared by the
+//! streams of HTTP/2 clients ([`Http2Conn`]). Both are ours rather than hyper-util's pooled
+//! client: one route has one target, so there is no key to hash, no URI to clone and no
+//! checkout future per request (the pooled client cost HTTP/2 about a tenth of its CPU).
 //!
 //! The connector ignores the request's URI and always dials the route's target (resolving a
 //! host name at connect time), so the client's `Host` / `:authority` reaches the app unchanged.
@@ -10,16 +12,14 @@
 
 use std::future::Future;
 use std::io;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
 use std::time::{Duration, Instant};
 
 use hyper::body::Incoming;
-use hyper::client::conn::http1;
-use hyper::{Request, Response, Uri};
-use hyper_util::client::legacy::Client;
+use hyper::client::conn::{http1, http2};
+use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 use tracing::debug;
@@ -35,7 +35,7 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// The pooled connections of one route.
 pub struct Upstream {
     pub http1: Arc<Http1Pool>,
-    pub http2: Client<Connector, Payload>,
+    pub http2: Arc<Http2Conn>,
 }
 
 impl Upstream {
@@ -51,12 +51,12 @@ impl Upstream {
             connect_timeout,
             metrics,
         };
-        let http2 = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .pool_timer(TokioTimer::new())
-            .http2_only(true)
-            .timer(TokioTimer::new())
-            .build(connector.clone());
+        let http2 = Arc::new(Http2Conn {
+            connector: connector.clone(),
+            current: Mutex::new(None),
+            dialing: tokio::sync::Mutex::new(()),
+            sweeping: AtomicBool::new(false),
+        });
         let http1 = Arc::new(Http1Pool {
             connector,
             idle: Mutex::new(Vec::new()),
@@ -66,28 +66,13 @@ impl Upstream {
     }
 }
 
-/// Dials the route's target, whatever the URI says.
+/// Dials the route's target.
 #[derive(Clone)]
 pub struct Connector {
     target: Arc<Target>,
     direction: Direction,
     connect_timeout: Duration,
     metrics: Arc<Metrics>,
-}
-
-impl tower_service::Service<Uri> for Connector {
-    type Response = TokioIo<TcpStream>;
-    type Error = io::Error;
-    type Future = Pin<Box<dyn Future<Output = io::Result<TokioIo<TcpStream>>> + Send>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _: Uri) -> Self::Future {
-        let this = self.clone();
-        Box::pin(async move { this.connect().await.map(TokioIo::new) })
-    }
 }
 
 impl Connector {
@@ -197,18 +182,7 @@ impl Http1Pool {
     }
 
     async fn dial(self: &Arc<Self>) -> Result<http1::SendRequest<Payload>, SendError> {
-        if !self.sweeping.swap(true, Ordering::Relaxed) {
-            let pool = Arc::downgrade(self);
-            tokio::spawn(async move {
-                let mut sweep = tokio::time::interval(POOL_IDLE_TIMEOUT / 2);
-                sweep.tick().await;
-                loop {
-                    sweep.tick().await;
-                    let Some(pool) = pool.upgrade() else { return };
-                    drop(pool.idle());
-                }
-            });
-        }
+        start_sweeping(&self.sweeping, self, |pool| drop(pool.idle()));
         let stream = self.connector.connect().await.map_err(SendError::Connect)?;
         let (sender, connection) = http1::handshake(TokioIo::new(stream))
             .await
@@ -269,5 +243,133 @@ impl Drop for Lease {
                 pool.put(sender);
             }
         });
+    }
+}
+
+/// Every half of [`POOL_IDLE_TIMEOUT`], from the first connection on and while the pool
+/// exists, `sweep` closes what has been idle for too long.
+fn start_sweeping<P: Send + Sync + 'static>(started: &AtomicBool, pool: &Arc<P>, sweep: fn(&P)) {
+    if started.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let pool: Weak<P> = Arc::downgrade(pool);
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(POOL_IDLE_TIMEOUT / 2);
+        every.tick().await;
+        loop {
+            every.tick().await;
+            let Some(pool) = pool.upgrade() else { return };
+            sweep(&pool);
+        }
+    });
+}
+
+/// The HTTP/2 connection to a route's target that every HTTP/2 client's streams share. It is
+/// dialled when first needed (one dial at a time: the streams that wait for it all take it),
+/// and again once the target has closed it or sent GOAWAY. Once no request has started on it
+/// for [`POOL_IDLE_TIMEOUT`], the proxy lets it go: it closes as its last stream ends.
+pub struct Http2Conn {
+    connector: Connector,
+    current: Mutex<Option<Shared>>,
+    dialing: tokio::sync::Mutex<()>,
+    /// Set once the sweeping task runs (from the first connection on).
+    sweeping: AtomicBool,
+}
+
+struct Shared {
+    sender: http2::SendRequest<Payload>,
+    last_used: Instant,
+}
+
+impl Http2Conn {
+    /// Sends `request` on the shared connection, or on a new one when there is none (or it
+    /// is closing). A request that the connection could not take at all (it had just closed)
+    /// goes to a new one, once.
+    pub async fn send(
+        self: &Arc<Self>,
+        mut request: Request<Payload>,
+    ) -> Result<Response<Incoming>, SendError> {
+        let mut fresh = false;
+        loop {
+            let mut unsent = Some(request);
+            let Some(sent) = self.try_send(&mut unsent) else {
+                self.dial().await?;
+                fresh = true;
+                request = unsent.expect("a request not sent is still there");
+                continue;
+            };
+            match sent.await {
+                Ok(response) => return Ok(response),
+                Err(mut error) => match error.take_message() {
+                    Some(unsent) if !fresh => {
+                        fresh = true;
+                        request = unsent;
+                    }
+                    _ => return Err(SendError::Http(error.into_error())),
+                },
+            }
+        }
+    }
+
+    /// Starts the request on the current connection, if there is one that can take it (and
+    /// else leaves it where it is); the returned future does not hold the lock.
+    fn try_send(
+        &self,
+        request: &mut Option<Request<Payload>>,
+    ) -> Option<
+        impl Future<
+            Output = Result<
+                Response<Incoming>,
+                hyper::client::conn::TrySendError<Request<Payload>>,
+            >,
+        > + use<>,
+    > {
+        let mut current = self.current();
+        let shared = current.as_mut().filter(|shared| shared.sender.is_ready())?;
+        shared.last_used = Instant::now();
+        Some(shared.sender.try_send_request(request.take()?))
+    }
+
+    fn current(&self) -> MutexGuard<'_, Option<Shared>> {
+        let mut current = self
+            .current
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        if current
+            .as_ref()
+            .is_some_and(|shared| shared.last_used.elapsed() >= POOL_IDLE_TIMEOUT)
+        {
+            *current = None;
+        }
+        current
+    }
+
+    /// Dials a new connection, unless another stream did while this one waited to.
+    async fn dial(self: &Arc<Self>) -> Result<(), SendError> {
+        let _dialing = self.dialing.lock().await;
+        if self
+            .current()
+            .as_ref()
+            .is_some_and(|shared| shared.sender.is_ready())
+        {
+            return Ok(());
+        }
+        start_sweeping(&self.sweeping, self, |conn| drop(conn.current()));
+        let stream = self.connector.connect().await.map_err(SendError::Connect)?;
+        let (sender, connection) = http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(SendError::Http)?;
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                debug!(%error, "HTTP/2 connection to the target ended with an error");
+            }
+        });
+        *self.current() = Some(Shared {
+            sender,
+            last_used: Instant::now(),
+        });
+        Ok(())
     }
 }

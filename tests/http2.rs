@@ -4,7 +4,11 @@
 mod support;
 
 use std::io::ErrorKind;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+use hyper_util::rt::{TokioExecutor, TokioIo};
 
 use support::backend::Backend;
 use support::h2raw::*;
@@ -296,6 +300,81 @@ fn h2_requests_keep_te_trailers_and_reach_the_app_over_http2() {
     assert_eq!(seen.header("x-kept"), Some("yes"));
     let conns = proxy.get("/connections").body;
     assert!(conns.contains("\"protocol\": \"http2\""), "{conns}");
+    drop(h2);
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
+
+/// An HTTP/2 app that answers one request per connection, then sends GOAWAY and closes it;
+/// returns its address and how many connections it has accepted.
+fn one_request_per_connection_app() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counter = accepted.clone();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(listener.local_addr().unwrap()).unwrap();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                counter.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let (served, mut answered) = tokio::sync::mpsc::channel::<()>(1);
+                    let service = hyper::service::service_fn(move |_request| {
+                        let served = served.clone();
+                        async move {
+                            let _ = served.try_send(());
+                            Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                                http_body_util::Full::new(bytes::Bytes::from_static(b"ok")),
+                            ))
+                        }
+                    });
+                    let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), service);
+                    tokio::pin!(connection);
+                    tokio::select! {
+                        _ = connection.as_mut() => return,
+                        _ = answered.recv() => connection.as_mut().graceful_shutdown(),
+                    }
+                    let _ = connection.await;
+                });
+            }
+        });
+    });
+    (rx.recv().unwrap(), accepted)
+}
+
+#[test]
+fn h2_requests_go_on_a_new_target_connection_after_the_app_closes_its_own() {
+    let (app, accepted) = one_request_per_connection_app();
+    let route = format!("127.0.0.1:0={app}");
+    let mut proxy = Proxy::start(&["--inbound", &route]);
+    let mut h2 = H2::connect(proxy.inbound[0]);
+    for stream in [1, 3, 5] {
+        h2.get(stream, "/");
+        let frames = h2
+            .read_until(|frame| frame.stream == stream && frame.flags & END_STREAM != 0)
+            .unwrap();
+        assert!(
+            frames
+                .iter()
+                .any(|f| f.stream == stream && f.is_status_200()),
+            "stream {stream}: {frames:?}"
+        );
+        // The app's GOAWAY reaches the proxy before the next request.
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        3,
+        "each request after the app's GOAWAY went on a connection of its own"
+    );
     drop(h2);
     proxy.signal(libc::SIGTERM);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
