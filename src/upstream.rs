@@ -12,7 +12,7 @@
 
 use std::future::Future;
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use std::time::{Duration, Instant};
@@ -54,7 +54,8 @@ impl Upstream {
         let http2 = Arc::new(Http2Conn {
             connector: connector.clone(),
             current: Mutex::new(None),
-            dialing: tokio::sync::Mutex::new(()),
+            dialing: tokio::sync::Mutex::new(None),
+            dials: AtomicU64::new(0),
             sweeping: AtomicBool::new(false),
         });
         let http1 = Arc::new(Http1Pool {
@@ -265,13 +266,18 @@ fn start_sweeping<P: Send + Sync + 'static>(started: &AtomicBool, pool: &Arc<P>,
 }
 
 /// The HTTP/2 connection to a route's target that every HTTP/2 client's streams share. It is
-/// dialled when first needed (one dial at a time: the streams that wait for it all take it),
+/// dialled when first needed (one dial at a time: the streams that wait for it share its
+/// outcome, the connection or the failure, so a target that does not answer costs them one
+/// connect timeout, not one each),
 /// and again once the target has closed it or sent GOAWAY. Once no request has started on it
 /// for [`POOL_IDLE_TIMEOUT`], the proxy lets it go: it closes as its last stream ends.
 pub struct Http2Conn {
     connector: Connector,
     current: Mutex<Option<Shared>>,
-    dialing: tokio::sync::Mutex<()>,
+    /// Held while dialling; the last dial's failure, if it failed.
+    dialing: tokio::sync::Mutex<Option<(io::ErrorKind, String)>>,
+    /// Dials finished so far.
+    dials: AtomicU64,
     /// Set once the sweeping task runs (from the first connection on).
     sweeping: AtomicBool,
 }
@@ -344,9 +350,11 @@ impl Http2Conn {
         current
     }
 
-    /// Dials a new connection, unless another stream did while this one waited to.
+    /// Dials a new connection, unless another stream dialled while this one waited to: then
+    /// its outcome is this one's too.
     async fn dial(self: &Arc<Self>) -> Result<(), SendError> {
-        let _dialing = self.dialing.lock().await;
+        let before = self.dials.load(Ordering::Acquire);
+        let mut failed = self.dialing.lock().await;
         if self
             .current()
             .as_ref()
@@ -354,7 +362,27 @@ impl Http2Conn {
         {
             return Ok(());
         }
+        if self.dials.load(Ordering::Acquire) != before
+            && let Some((kind, message)) = failed.as_ref()
+        {
+            return Err(SendError::Connect(io::Error::new(*kind, message.clone())));
+        }
         start_sweeping(&self.sweeping, self, |conn| drop(conn.current()));
+        let dialled = self.handshake().await;
+        self.dials.fetch_add(1, Ordering::Release);
+        *failed = dialled.as_ref().err().map(|error| match error {
+            SendError::Connect(error) => (error.kind(), error.to_string()),
+            SendError::Http(error) => (io::ErrorKind::Other, error.to_string()),
+        });
+        let sender = dialled?;
+        *self.current() = Some(Shared {
+            sender,
+            last_used: Instant::now(),
+        });
+        Ok(())
+    }
+
+    async fn handshake(&self) -> Result<http2::SendRequest<Payload>, SendError> {
         let stream = self.connector.connect().await.map_err(SendError::Connect)?;
         let (sender, connection) = http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
@@ -366,10 +394,6 @@ impl Http2Conn {
                 debug!(%error, "HTTP/2 connection to the target ended with an error");
             }
         });
-        *self.current() = Some(Shared {
-            sender,
-            last_used: Instant::now(),
-        });
-        Ok(())
+        Ok(sender)
     }
 }

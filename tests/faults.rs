@@ -73,25 +73,7 @@ fn refused_target_resets_the_client_promptly_and_is_counted() {
 
 #[test]
 fn connect_timeout_resets_the_client() {
-    // A listener whose accept queue is full and never drained: further SYNs go unanswered.
-    let blackhole =
-        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    blackhole
-        .bind(
-            &"127.0.0.1:0"
-                .parse::<std::net::SocketAddr>()
-                .unwrap()
-                .into(),
-        )
-        .unwrap();
-    blackhole.listen(0).unwrap();
-    let target = blackhole.local_addr().unwrap().as_socket().unwrap();
-    let mut fillers = Vec::new();
-    for _ in 0..4 {
-        if let Ok(stream) = TcpStream::connect_timeout(&target, Duration::from_millis(200)) {
-            fillers.push(stream);
-        }
-    }
+    let (_blackhole, target, _fillers) = blackhole();
     let mut proxy = Proxy::start(&[
         "--inbound",
         &format!("127.0.0.1:0={target}/tcp"),

@@ -379,3 +379,50 @@ fn h2_requests_go_on_a_new_target_connection_after_the_app_closes_its_own() {
     proxy.signal(libc::SIGTERM);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
+
+#[test]
+fn h2_streams_waiting_for_an_unanswering_target_share_one_connect_timeout() {
+    let (_blackhole, target, fillers) = blackhole();
+    let route = format!("127.0.0.1:0={target}");
+    let mut proxy = Proxy::start(&["--inbound", &route, "--connect-timeout=300ms"]);
+    let mut h2 = H2::connect(proxy.inbound[0]);
+    let streams: Vec<u32> = (0..16).map(|n| 2 * n + 1).collect();
+    let started = Instant::now();
+    for &stream in &streams {
+        h2.get(stream, "/");
+    }
+    let mut ended = Vec::new();
+    let frames = h2
+        .read_until(|frame| {
+            if matches!(frame.kind, HEADERS | DATA) && frame.flags & END_STREAM != 0 {
+                ended.push(frame.stream);
+            }
+            ended.len() == streams.len()
+        })
+        .unwrap();
+    let took = started.elapsed();
+    for &stream in &streams {
+        let body: Vec<u8> = frames
+            .iter()
+            .filter(|f| f.stream == stream && f.kind == DATA)
+            .flat_map(|f| f.payload.clone())
+            .collect();
+        assert!(
+            String::from_utf8_lossy(&body).starts_with("gateway timeout"),
+            "stream {stream}: {:?} in {:?}",
+            String::from_utf8_lossy(&body),
+            frames
+                .iter()
+                .filter(|f| f.stream == stream)
+                .collect::<Vec<_>>()
+        );
+    }
+    // One after another, 16 connect timeouts of 300 ms would take 4.8 s.
+    assert!(
+        took < Duration::from_millis(2500),
+        "16 streams answered after {took:?}"
+    );
+    drop((h2, fillers));
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}

@@ -543,3 +543,17 @@ pub fn cpu_time(pid: i32) -> Duration {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
     Duration::from_millis(ticks * 1000 / hz)
 }
+
+/// A target that never answers: a listener whose accept queue is full and never drained, so
+/// that further SYNs go unanswered (a connect to it times out). Keep the fillers while it is used.
+pub fn blackhole() -> (socket2::Socket, SocketAddr, Vec<TcpStream>) {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    socket.bind(&any.into()).unwrap();
+    socket.listen(0).unwrap();
+    let addr = socket.local_addr().unwrap().as_socket().unwrap();
+    let fillers = (0..4)
+        .filter_map(|_| TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok())
+        .collect();
+    (socket, addr, fillers)
+}
