@@ -4,17 +4,17 @@
 //! client: one route has one target, so there is no key to hash, no URI to clone and no
 //! checkout future per request (the pooled client cost HTTP/2 about a tenth of its CPU).
 //!
-//! The connector ignores the request's URI and always dials the route's target (resolving a
-//! host name at connect time), so the client's `Host` / `:authority` reaches the app unchanged.
+//! The connector always dials the route's target, whatever the request's URI (resolving a host
+//! name at connect time), so the client's `Host` / `:authority` reaches the app unchanged.
 //! Pooled connections run on their own tasks, outside the drain: they hold no client, and
 //! during a drain every HTTP/1 request towards the target carries `connection: close`, so a
-//! pooled connection closes as its last request finishes.
+//! pooled connection closes as its last request finishes. The shared HTTP/2 connection stays
+//! open through the drain (other streams may still use it) and ends with the process.
 
 use std::future::Future;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-
 use std::time::{Duration, Instant};
 
 use hyper::body::Incoming;
@@ -268,8 +268,7 @@ fn start_sweeping<P: Send + Sync + 'static>(started: &AtomicBool, pool: &Arc<P>,
 /// The HTTP/2 connection to a route's target that every HTTP/2 client's streams share. It is
 /// dialled when first needed (one dial at a time: the streams that wait for it share its
 /// outcome, the connection or the failure, so a target that does not answer costs them one
-/// connect timeout, not one each),
-/// and again once the target has closed it or sent GOAWAY. Once no request has started on it
+/// connect timeout, not one each), and again once the target has closed it or sent GOAWAY. Once no request has started on it
 /// for [`POOL_IDLE_TIMEOUT`], the proxy lets it go: it closes as its last stream ends.
 pub struct Http2Conn {
     connector: Connector,
@@ -293,15 +292,14 @@ impl Http2Conn {
     /// goes to a new one, once.
     pub async fn send(
         self: &Arc<Self>,
-        mut request: Request<Payload>,
+        request: Request<Payload>,
     ) -> Result<Response<Incoming>, SendError> {
+        let mut request = Some(request);
         let mut fresh = false;
         loop {
-            let mut unsent = Some(request);
-            let Some(sent) = self.try_send(&mut unsent) else {
+            let Some(sent) = self.try_send(&mut request) else {
                 self.dial().await?;
                 fresh = true;
-                request = unsent.expect("a request not sent is still there");
                 continue;
             };
             match sent.await {
@@ -309,7 +307,7 @@ impl Http2Conn {
                 Err(mut error) => match error.take_message() {
                     Some(unsent) if !fresh => {
                         fresh = true;
-                        request = unsent;
+                        request = Some(unsent);
                     }
                     _ => return Err(SendError::Http(error.into_error())),
                 },
@@ -317,8 +315,8 @@ impl Http2Conn {
         }
     }
 
-    /// Starts the request on the current connection, if there is one that can take it (and
-    /// else leaves it where it is); the returned future does not hold the lock.
+    /// Takes the request and starts it on the current connection, if there is one that can
+    /// take it (else the request stays where it is); the returned future holds no lock.
     fn try_send(
         &self,
         request: &mut Option<Request<Payload>>,
