@@ -7,11 +7,16 @@
 //! the phases; listeners and connections only listen.
 
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::task::{Context, Poll, Waker};
+#[cfg(test)]
+use std::time::Duration;
 use std::time::{Instant, SystemTime};
 
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 use tokio_util::task::TaskTracker;
 
 use crate::config::Direction;
@@ -216,5 +221,80 @@ impl Drain {
             draining: self.side(direction).draining.clone(),
             terminate: self.terminate.clone(),
         }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// `token.cancelled()` for a future that is polled many times before the token is cancelled
+    /// (a connection's select between serving and the drain): once its waker is registered with
+    /// the token, a poll with the same waker is one atomic load instead of a poll of the token's
+    /// `Notified` (which takes the token's lock). The token wakes that waker when it is cancelled.
+    pub struct Cancelled<'a> {
+        token: &'a CancellationToken,
+        #[pin]
+        wait: WaitForCancellationFuture<'a>,
+        registered: Option<Waker>,
+    }
+}
+
+impl<'a> Cancelled<'a> {
+    pub fn new(token: &'a CancellationToken) -> Cancelled<'a> {
+        Cancelled {
+            token,
+            wait: token.cancelled(),
+            registered: None,
+        }
+    }
+}
+
+impl Future for Cancelled<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.project();
+        if this.token.is_cancelled() {
+            return Poll::Ready(());
+        }
+        if let Some(waker) = this.registered.as_ref()
+            && waker.will_wake(cx.waker())
+        {
+            return Poll::Pending;
+        }
+        if this.wait.poll(cx).is_ready() {
+            return Poll::Ready(());
+        }
+        *this.registered = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn cancelled_wakes_the_task_that_polled_it_when_the_token_is_cancelled() {
+        let token = CancellationToken::new();
+        let waiter = {
+            let token = token.clone();
+            tokio::spawn(async move {
+                let mut cancelled = std::pin::pin!(Cancelled::new(&token));
+                // Pending twice with the same waker: the second poll is the cheap one.
+                for _ in 0..2 {
+                    let pending = std::future::poll_fn(|cx| {
+                        Poll::Ready(cancelled.as_mut().poll(cx).is_pending())
+                    });
+                    assert!(pending.await);
+                }
+                cancelled.await;
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished());
+        token.cancel();
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("the cancelled future woke its task")
+            .expect("the task ran to its end");
     }
 }

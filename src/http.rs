@@ -17,7 +17,7 @@
 use std::future::Future as _;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::task::{Context, Poll};
@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument as _, debug};
 
 use crate::conns::{ConnProtocol, ConnState, Connection, Registration};
-use crate::drain::ConnTokens;
+use crate::drain::{Cancelled, ConnTokens};
 use crate::listener::{RouteHandle, Shared};
 use crate::proxy;
 
@@ -301,21 +301,26 @@ async fn http1_session(
     let park_after = (!closing).then(|| ctx.requests_started.load(Ordering::Acquire));
     let (io, came_home) = ServerIo::new(stream, ctx.clone(), prefix, park_after);
     let service_ctx = ctx.clone();
-    // Boxed: hyper keeps the slot for the request future for the connection's whole life, so
-    // it holds 16 bytes instead of the whole future (1.7 KiB).
-    let service = hyper::service::service_fn(move |request| {
-        Box::pin(proxy::handle(service_ctx.clone(), request))
-    });
+    // Not boxed: hyper writes each request's future into a slot it allocated for the session
+    // (about 1.7 KiB), so a box would only add an allocation per request; a parked connection
+    // has no session, so idle connections do not hold it.
+    let service =
+        hyper::service::service_fn(move |request| proxy::handle(service_ctx.clone(), request));
     let mut connection = builder
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
+    let mut drain = pin!(Cancelled::new(draining));
+    let mut terminate = pin!(Cancelled::new(&ctx.terminate));
     let served = loop {
         tokio::select! {
+            // Polled in this order, the connection first: a poll for its I/O then costs the
+            // drain's two tokens an atomic load each (see `Cancelled`).
+            biased;
             // The client closed, the last response went out, the session parked, or the
             // connection failed.
             served = &mut connection => break served,
             // The listeners closed: close this connection if it is idle.
-            _ = draining.cancelled(), if !closing => {
+            _ = &mut drain, if !closing => {
                 closing = true;
                 let idle = ctx.conn().requests_in_flight.load(Ordering::Acquire) == 0
                     && unread_bytes(fd) == 0;
@@ -324,7 +329,7 @@ async fn http1_session(
                 }
             }
             // The grace period ran out, or a second signal.
-            _ = ctx.terminate.cancelled() => {
+            _ = &mut terminate => {
                 reset_fd(fd);
                 return Session::Done;
             }

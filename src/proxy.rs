@@ -10,13 +10,15 @@
 
 use std::convert::Infallible;
 use std::io;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
+use futures_util::FutureExt;
+use futures_util::future::Either;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::header::{
     CONNECTION, CONTENT_TYPE, HOST, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING,
@@ -66,173 +68,199 @@ pub fn handle(
     forward(ctx, request, in_flight, body_watch)
 }
 
-async fn forward(
+// Not `async fn`s, here and in `send`: their futures would hold each argument twice
+// (rust-lang/rust#62958), and this one is written into hyper's slot for every request.
+#[allow(clippy::manual_async_fn)]
+fn forward(
     ctx: Arc<ConnCtx>,
     mut request: Request<Incoming>,
     in_flight: InFlight,
     mut body_watch: Option<RequestBody>,
-) -> Result<Response<ProxyBody>, Infallible> {
-    let version = request.version();
-    let upgrading = ctx.version == HttpVersion::Http1 && wants_upgrade(&request);
-    let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut request));
-    strip_hop_by_hop(request.headers_mut(), upgrading);
-    if ctx.closing() && !upgrading && request.version() != Version::HTTP_2 {
-        // The pooled connection to the target closes once this request is done.
-        request
-            .headers_mut()
-            .insert(CONNECTION, HeaderValue::from_static("close"));
-    }
-    let target = &ctx.handle.target_name;
-    let uri = match ctx.version {
-        HttpVersion::Http1 => origin_form(&mut request, target),
-        HttpVersion::Http2 => absolute_uri(&mut request, target),
-    };
-    if let Err(()) = uri {
-        return Ok(error_response(
-            &ctx,
-            StatusCode::BAD_REQUEST,
-            "bad request: invalid Host\n".into(),
-            in_flight,
-        ));
-    }
+) -> impl Future<Output = Result<Response<ProxyBody>, Infallible>> {
+    async move {
+        let version = request.version();
+        let upgrading = ctx.version == HttpVersion::Http1 && wants_upgrade(&request);
+        let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut request));
+        strip_hop_by_hop(request.headers_mut(), upgrading);
+        if ctx.closing() && !upgrading && request.version() != Version::HTTP_2 {
+            // The pooled connection to the target closes once this request is done.
+            request
+                .headers_mut()
+                .insert(CONNECTION, HeaderValue::from_static("close"));
+        }
+        let target = &ctx.handle.target_name;
+        let uri = match ctx.version {
+            HttpVersion::Http1 => origin_form(&mut request, target),
+            HttpVersion::Http2 => absolute_uri(&mut request, target),
+        };
+        if let Err(()) = uri {
+            return Ok(error_response(
+                &ctx,
+                StatusCode::BAD_REQUEST,
+                "bad request: invalid Host\n".into(),
+                in_flight,
+            ));
+        }
 
-    let request = request.map(|body| match body_watch.take() {
-        Some(watch) => Payload::Request(body, watch),
-        None => Payload::Stream(body),
-    });
-    let sent = send(&ctx.handle.upstream, ctx.version, request);
-    let result = match ctx.shared.http.response_timeout {
-        Some(limit) => match tokio::time::timeout(limit, sent).await {
-            Ok(result) => result,
-            Err(_) => {
-                let body = format!("gateway timeout: {target} did not respond in time\n");
-                return Ok(error_response(
-                    &ctx,
-                    StatusCode::GATEWAY_TIMEOUT,
-                    body,
-                    in_flight,
-                ));
+        let payload = |body| match body_watch.take() {
+            Some(watch) => Payload::Request(body, watch),
+            None => Payload::Stream(body),
+        };
+        // One send future, awaited with or without the response timeout: a `Timeout` around it
+        // in one branch and the bare future in the other would hold it twice in this future.
+        // (The request goes into it directly, not through a local that this future would hold.)
+        let upstream = &ctx.handle.upstream;
+        let mut sent = pin!(send(upstream, ctx.version, request.map(payload)));
+        let mut limit = pin!(ctx.shared.http.response_timeout.map(tokio::time::sleep));
+        let responded = std::future::poll_fn(|cx| {
+            if let Poll::Ready(result) = sent.as_mut().poll(cx) {
+                return Poll::Ready(Some(result));
             }
-        },
-        None => sent.await,
-    };
-    let (mut response, lease) = match result {
-        Ok(sent) => sent,
-        Err(failure) => {
-            let (status, body) = match failure.kind {
-                FailureKind::ConnectTimeout => (
-                    StatusCode::GATEWAY_TIMEOUT,
-                    format!("gateway timeout: cannot connect to {target}\n"),
-                ),
-                FailureKind::Connect => (
-                    StatusCode::BAD_GATEWAY,
-                    format!("bad gateway: cannot connect to {target}\n"),
-                ),
-                FailureKind::ClosedBeforeResponse | FailureKind::Respond => (
-                    StatusCode::BAD_GATEWAY,
-                    format!("bad gateway: {target} failed to respond\n"),
-                ),
-            };
-            let error = &failure.error;
-            debug!(error = %error, source = ?error.source(), %status, "forwarding failed");
-            return Ok(error_response(&ctx, status, body, in_flight));
-        }
-    };
+            match limit.as_mut().as_pin_mut() {
+                Some(sleep) => sleep.poll(cx).map(|()| None),
+                None => Poll::Pending,
+            }
+        });
+        let Some(result) = responded.await else {
+            let body = format!("gateway timeout: {target} did not respond in time\n");
+            return Ok(error_response(
+                &ctx,
+                StatusCode::GATEWAY_TIMEOUT,
+                body,
+                in_flight,
+            ));
+        };
+        let (mut response, lease) = match result {
+            Ok(sent) => sent,
+            Err(failure) => {
+                let (status, body) = match failure.kind {
+                    FailureKind::ConnectTimeout => (
+                        StatusCode::GATEWAY_TIMEOUT,
+                        format!("gateway timeout: cannot connect to {target}\n"),
+                    ),
+                    FailureKind::Connect => (
+                        StatusCode::BAD_GATEWAY,
+                        format!("bad gateway: cannot connect to {target}\n"),
+                    ),
+                    FailureKind::ClosedBeforeResponse | FailureKind::Respond => (
+                        StatusCode::BAD_GATEWAY,
+                        format!("bad gateway: {target} failed to respond\n"),
+                    ),
+                };
+                let error = &failure.error;
+                debug!(error = %error, source = ?error.source(), %status, "forwarding failed");
+                return Ok(error_response(&ctx, status, body, in_flight));
+            }
+        };
 
-    let upgraded = match client_upgrade {
-        Some(client_upgrade)
-            if response.status() == StatusCode::SWITCHING_PROTOCOLS
-                || is_connect_success(&response) =>
-        {
-            let target_upgrade = hyper::upgrade::on(&mut response);
-            spawn_tunnel(&ctx, client_upgrade, target_upgrade);
-            true
+        let upgraded = match client_upgrade {
+            Some(client_upgrade)
+                if response.status() == StatusCode::SWITCHING_PROTOCOLS
+                    || is_connect_success(&response) =>
+            {
+                let target_upgrade = hyper::upgrade::on(&mut response);
+                spawn_tunnel(&ctx, client_upgrade, target_upgrade);
+                true
+            }
+            _ => false,
+        };
+        strip_hop_by_hop(response.headers_mut(), upgraded);
+        // The client hears its own HTTP version, whatever the target spoke.
+        *response.version_mut() = version;
+        if ctx.closing() && !upgraded && ctx.version == HttpVersion::Http1 {
+            response
+                .headers_mut()
+                .insert(CONNECTION, HeaderValue::from_static("close"));
         }
-        _ => false,
-    };
-    strip_hop_by_hop(response.headers_mut(), upgraded);
-    // The client hears its own HTTP version, whatever the target spoke.
-    *response.version_mut() = version;
-    if ctx.closing() && !upgraded && ctx.version == HttpVersion::Http1 {
-        response
-            .headers_mut()
-            .insert(CONNECTION, HeaderValue::from_static("close"));
+        in_flight.record_status(&ctx, response.status());
+        // An upgraded connection is the tunnel's now; it never goes back to the pool. A response
+        // without a body is read to its end already (hyper will not poll it).
+        let lease = lease.filter(|_| !upgraded).map(|mut lease| {
+            if response.body().is_end_stream() {
+                lease.done();
+            }
+            lease
+        });
+        Ok(response.map(|body| ProxyBody {
+            payload: Payload::Stream(body),
+            _in_flight: Some(in_flight),
+            lease,
+        }))
     }
-    in_flight.record_status(&ctx, response.status());
-    // An upgraded connection is the tunnel's now; it never goes back to the pool. A response
-    // without a body is read to its end already (hyper will not poll it).
-    let lease = lease.filter(|_| !upgraded).map(|mut lease| {
-        if response.body().is_end_stream() {
-            lease.done();
-        }
-        lease
-    });
-    Ok(response.map(|body| ProxyBody {
-        payload: Payload::Stream(body),
-        _in_flight: Some(in_flight),
-        lease,
-    }))
 }
 
 /// Sends a request; a bodiless idempotent request whose pooled connection the target closed
 /// before answering (the keep-alive race) is sent once more, on another connection, as RFC 9110
 /// section 9.2.2 allows. Anything else is never replayed.
-async fn send(
+#[allow(clippy::manual_async_fn)]
+fn send(
     upstream: &Upstream,
     version: HttpVersion,
     request: Request<Payload>,
-) -> Result<(Response<Incoming>, Option<Lease>), Failure> {
-    let replay = replayable(&request).then(|| {
-        let mut copy = Request::new(Payload::Bytes(None));
-        *copy.method_mut() = request.method().clone();
-        *copy.uri_mut() = request.uri().clone();
-        *copy.version_mut() = request.version();
-        *copy.headers_mut() = request.headers().clone();
-        copy
-    });
-    let first = send_once(upstream, version, request).await;
-    match (first, replay) {
-        (Err(failure), Some(again)) if failure.kind == FailureKind::ClosedBeforeResponse => {
-            debug!(error = %failure.error, "the target closed a pooled connection before answering; retrying once");
-            send_once(upstream, version, again).await
+) -> impl Future<Output = Result<(Response<Incoming>, Option<Lease>), Failure>> + '_ {
+    async move {
+        let replay = replayable(&request).then(|| {
+            let mut copy = Request::new(Payload::Bytes(None));
+            *copy.method_mut() = request.method().clone();
+            *copy.uri_mut() = request.uri().clone();
+            *copy.version_mut() = request.version();
+            *copy.headers_mut() = request.headers().clone();
+            copy
+        });
+        let failure = match send_once(upstream, version, request).await {
+            Err(failure) if failure.kind == FailureKind::ClosedBeforeResponse => failure,
+            first => return first,
+        };
+        match replay {
+            Some(again) => {
+                debug!(error = %failure.error, "the target closed a pooled connection before answering; retrying once");
+                send_once(upstream, version, again).await
+            }
+            None => Err(failure),
         }
-        (first, _) => first,
     }
 }
 
-async fn send_once(
-    upstream: &Upstream,
+/// Not an `async fn`: the request goes straight into the pool's future instead of being held
+/// once more by this one.
+fn send_once<'a>(
+    upstream: &'a Upstream,
     version: HttpVersion,
     request: Request<Payload>,
-) -> Result<(Response<Incoming>, Option<Lease>), Failure> {
-    let sent = match version {
-        HttpVersion::Http1 => upstream
-            .http1
-            .send(request)
-            .await
-            .map(|(response, lease)| (response, Some(lease))),
-        HttpVersion::Http2 => upstream
-            .http2
-            .send(request)
-            .await
-            .map(|response| (response, None)),
-    };
-    sent.map_err(|error| match error {
-        SendError::Connect(error) => Failure {
-            kind: match error.kind() {
-                io::ErrorKind::TimedOut => FailureKind::ConnectTimeout,
-                _ => FailureKind::Connect,
+) -> impl Future<Output = Result<(Response<Incoming>, Option<Lease>), Failure>> + 'a {
+    match version {
+        HttpVersion::Http1 => Either::Left(upstream.http1.send(request).map(|sent| {
+            sent.map(|(response, lease)| (response, Some(lease)))
+                .map_err(Failure::from)
+        })),
+        HttpVersion::Http2 => Either::Right(
+            upstream
+                .http2
+                .send(request)
+                .map(|sent| sent.map(|response| (response, None)).map_err(Failure::from)),
+        ),
+    }
+}
+
+impl From<SendError> for Failure {
+    fn from(error: SendError) -> Failure {
+        match error {
+            SendError::Connect(error) => Failure {
+                kind: match error.kind() {
+                    io::ErrorKind::TimedOut => FailureKind::ConnectTimeout,
+                    _ => FailureKind::Connect,
+                },
+                error: error.into(),
             },
-            error: error.into(),
-        },
-        SendError::Http(error) => Failure {
-            kind: match error.is_incomplete_message() || error.is_canceled() {
-                true => FailureKind::ClosedBeforeResponse,
-                false => FailureKind::Respond,
+            SendError::Http(error) => Failure {
+                kind: match error.is_incomplete_message() || error.is_canceled() {
+                    true => FailureKind::ClosedBeforeResponse,
+                    false => FailureKind::Respond,
+                },
+                error: error.into(),
             },
-            error: error.into(),
-        },
-    })
+        }
+    }
 }
 
 /// Why a request got no response from the target.

@@ -124,34 +124,40 @@ struct Idle {
 impl Http1Pool {
     /// Sends `request` on an idle connection or a new one. A request that an idle connection
     /// could not take at all (the target had closed it) goes to the next one.
-    pub async fn send(
+    // Not an `async fn`: its future would hold the request twice (rust-lang/rust#62958).
+    #[allow(clippy::manual_async_fn)]
+    pub fn send(
         self: &Arc<Self>,
         mut request: Request<Payload>,
-    ) -> Result<(Response<Incoming>, Lease), SendError> {
-        loop {
-            let (mut sender, reused) = match self.checkout() {
-                Some(sender) => (sender, true),
-                None => (self.dial().await?, false),
-            };
-            if let Err(error) = sender.ready().await {
-                match reused {
-                    true => continue,
-                    false => return Err(SendError::Http(error)),
+    ) -> impl Future<Output = Result<(Response<Incoming>, Lease), SendError>> + '_ {
+        async move {
+            loop {
+                let (mut sender, reused) = match self.checkout() {
+                    Some(sender) => (sender, true),
+                    // Boxed: dialling is rare, and its future (connect, handshake) would
+                    // otherwise make every request's future larger by its size.
+                    None => (Box::pin(self.dial()).await?, false),
+                };
+                if let Err(error) = sender.ready().await {
+                    match reused {
+                        true => continue,
+                        false => return Err(SendError::Http(error)),
+                    }
                 }
-            }
-            match sender.try_send_request(request).await {
-                Ok(response) => {
-                    let lease = Lease {
-                        sender: Some(sender),
-                        pool: self.clone(),
-                        done: false,
-                    };
-                    return Ok((response, lease));
+                match sender.try_send_request(request).await {
+                    Ok(response) => {
+                        let lease = Lease {
+                            sender: Some(sender),
+                            pool: self.clone(),
+                            done: false,
+                        };
+                        return Ok((response, lease));
+                    }
+                    Err(mut error) => match error.take_message() {
+                        Some(unsent) if reused => request = unsent,
+                        _ => return Err(SendError::Http(error.into_error())),
+                    },
                 }
-                Err(mut error) => match error.take_message() {
-                    Some(unsent) if reused => request = unsent,
-                    _ => return Err(SendError::Http(error.into_error())),
-                },
             }
         }
     }
@@ -290,27 +296,32 @@ impl Http2Conn {
     /// Sends `request` on the shared connection, or on a new one when there is none (or it
     /// is closing). A request that the connection could not take at all (it had just closed)
     /// goes to a new one, once.
-    pub async fn send(
+    // Not an `async fn`, as `Http1Pool::send`.
+    #[allow(clippy::manual_async_fn)]
+    pub fn send(
         self: &Arc<Self>,
         request: Request<Payload>,
-    ) -> Result<Response<Incoming>, SendError> {
+    ) -> impl Future<Output = Result<Response<Incoming>, SendError>> + '_ {
         let mut request = Some(request);
-        let mut fresh = false;
-        loop {
-            let Some(sent) = self.try_send(&mut request) else {
-                self.dial().await?;
-                fresh = true;
-                continue;
-            };
-            match sent.await {
-                Ok(response) => return Ok(response),
-                Err(mut error) => match error.take_message() {
-                    Some(unsent) if !fresh => {
-                        fresh = true;
-                        request = Some(unsent);
-                    }
-                    _ => return Err(SendError::Http(error.into_error())),
-                },
+        async move {
+            let mut fresh = false;
+            loop {
+                let Some(sent) = self.try_send(&mut request) else {
+                    // Boxed, as in `Http1Pool::send`.
+                    Box::pin(self.dial()).await?;
+                    fresh = true;
+                    continue;
+                };
+                match sent.await {
+                    Ok(response) => return Ok(response),
+                    Err(mut error) => match error.take_message() {
+                        Some(unsent) if !fresh => {
+                            fresh = true;
+                            request = Some(unsent);
+                        }
+                        _ => return Err(SendError::Http(error.into_error())),
+                    },
+                }
             }
         }
     }
