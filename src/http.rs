@@ -313,8 +313,8 @@ async fn http1_session(
     let mut terminate = pin!(Cancelled::new(&ctx.terminate));
     let served = loop {
         tokio::select! {
-            // Polled in this order, the connection first: a poll for its I/O then costs the
-            // drain's two tokens an atomic load each (see `Cancelled`).
+            // In this order, the connection first, with no random start per poll; the two
+            // tokens then cost an atomic load each (see `Cancelled`).
             biased;
             // The client closed, the last response went out, the session parked, or the
             // connection failed.
