@@ -29,8 +29,13 @@ use crate::metrics::Metrics;
 use crate::proxy::Payload;
 use crate::tcp;
 
-/// How long an idle pooled connection to a target is kept.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// How long an idle pooled connection to a target is kept (less in the unit tests below,
+/// which watch connections expire).
+const POOL_IDLE_TIMEOUT: Duration = if cfg!(test) {
+    Duration::from_millis(400)
+} else {
+    Duration::from_secs(90)
+};
 
 /// The pooled connections of one route.
 pub struct Upstream {
@@ -404,5 +409,145 @@ impl Http2Conn {
             }
         });
         Ok(sender)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use hyper::body::Incoming;
+    use hyper::{Request, Response};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+    use tokio::time::timeout;
+
+    use super::{POOL_IDLE_TIMEOUT, Upstream};
+    use crate::config::{Direction, Target};
+    use crate::conns::Connections;
+    use crate::drain::Drain;
+    use crate::metrics::Metrics;
+    use crate::proxy::Payload;
+
+    /// Long enough for any expiry here (the sweep runs every half of the idle timeout).
+    const PATIENCE: Duration = Duration::from_secs(10);
+
+    fn upstream_to(addr: SocketAddr) -> Upstream {
+        let metrics = Metrics::new(Arc::new(Connections::default()), Arc::new(Drain::default()));
+        Upstream::new(
+            Target::Addr(addr),
+            Direction::Inbound,
+            Duration::from_secs(5),
+            Arc::new(metrics),
+        )
+    }
+
+    fn get() -> Request<Payload> {
+        Request::get("http://app.test/")
+            .body(Payload::Bytes(None))
+            .unwrap()
+    }
+
+    /// A connection back in the pool is closed (the target reads its EOF) once it has been
+    /// idle for the idle timeout, with no further request to notice it: not before, and
+    /// within a sweep of it.
+    #[tokio::test]
+    async fn an_idle_http1_connection_to_the_target_is_closed_after_the_idle_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let upstream = upstream_to(listener.local_addr().unwrap());
+        let target = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\n") {
+                let mut byte = [0u8; 1];
+                assert_eq!(stream.read(&mut byte).await.unwrap(), 1, "no whole request");
+                head.push(byte[0]);
+            }
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            let answered = Instant::now();
+            let mut rest = [0u8; 64];
+            let read = stream.read(&mut rest).await.unwrap();
+            (read, answered.elapsed())
+        });
+
+        let (response, mut lease) = upstream.http1.send(get()).await.unwrap();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(body, "ok");
+        lease.done();
+        drop(lease);
+        assert_eq!(upstream.http1.idle().len(), 1, "not back in the pool");
+
+        let (read, idle_for) = timeout(PATIENCE, target)
+            .await
+            .expect("the idle connection was never closed")
+            .unwrap();
+        assert_eq!(read, 0, "the target got bytes instead of a close");
+        assert!(
+            idle_for >= POOL_IDLE_TIMEOUT,
+            "closed after {idle_for:?}, before the idle timeout"
+        );
+        assert!(upstream.http1.idle().is_empty(), "still in the pool");
+    }
+
+    /// The shared HTTP/2 connection is let go once no request has started on it for the idle
+    /// timeout: the target sees it end, not before; the next request dials a new one.
+    #[tokio::test]
+    async fn an_idle_http2_connection_to_the_target_is_closed_after_the_idle_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let upstream = upstream_to(listener.local_addr().unwrap());
+        let (ended_tx, mut ended) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                let ended_tx = ended_tx.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(|_: Request<Incoming>| async {
+                        Ok::<_, hyper::Error>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+                    });
+                    let served = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                    let _ = ended_tx.send((Instant::now(), served.is_ok()));
+                });
+            }
+        });
+
+        let response = upstream.http2.send(get()).await.unwrap();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(body, "ok");
+        let answered = Instant::now();
+
+        let (at, clean) = timeout(PATIENCE, ended.recv())
+            .await
+            .expect("the idle HTTP/2 connection was never closed")
+            .unwrap();
+        let idle_for = at - answered;
+        assert!(clean, "the connection ended with an error");
+        assert!(
+            idle_for >= POOL_IDLE_TIMEOUT,
+            "closed after {idle_for:?}, before the idle timeout"
+        );
+
+        let response = upstream.http2.send(get()).await.unwrap();
+        assert_eq!(
+            response.into_body().collect().await.unwrap().to_bytes(),
+            "ok"
+        );
+        assert_eq!(
+            upstream
+                .http2
+                .dials
+                .load(std::sync::atomic::Ordering::Acquire),
+            2,
+            "the second request did not dial a new connection"
+        );
     }
 }
