@@ -454,8 +454,8 @@ mod tests {
     }
 
     /// A connection back in the pool is closed (the target reads its EOF) once it has been
-    /// idle for the idle timeout, with no further request to notice it: not before, and
-    /// within a sweep of it.
+    /// idle for the idle timeout, not before, with no further request to notice it: the
+    /// sweep closes it.
     #[tokio::test]
     async fn an_idle_http1_connection_to_the_target_is_closed_after_the_idle_timeout() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
