@@ -25,6 +25,8 @@ use serde_norway::{Mapping, Value};
 
 use crate::config::{Raw, parse_bool, parse_duration};
 
+mod yaml;
+
 pub const ANNOTATION_INJECT: &str = "lameduck.io/inject";
 pub const ANNOTATION_GRACE: &str = "lameduck.io/shutdown-grace-period";
 pub const ANNOTATION_LAME_DUCK: &str = "lameduck.io/lame-duck-period";
@@ -102,8 +104,13 @@ pub fn inject(input: &str, options: &InjectOptions) -> Result<Injected, InjectEr
         if index > 0 {
             injected.yaml.push_str("---\n");
         }
-        let yaml = serde_norway::to_string(document)
-            .map_err(|error| InjectError(format!("cannot write YAML: {error}")))?;
+        let yaml = yaml::to_string(document).map_err(|error| {
+            InjectError(format!(
+                "document {}: cannot write YAML: {}",
+                index + 1,
+                error.0
+            ))
+        })?;
         injected.yaml.push_str(&yaml);
     }
     Ok(injected)

@@ -58,8 +58,178 @@ fn golden(input: &Path, args: &[&str], expected: &Path) -> (String, String) {
         expected.display()
     );
     check_schema(&out);
+    check_with_kubectl(&out, &kubectls()[..1]);
     assert_idempotent(&out, args);
     (out, err)
+}
+
+/// The kubectl clients on this machine: `kubectl` first, then `kubectl.1.27` … beside it (the
+/// cloud SDK installs them side by side). Empty when there is none.
+fn kubectls() -> Vec<PathBuf> {
+    let Some(kubectl) = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|dir| dir.join("kubectl"))
+            .find(|candidate| candidate.is_file())
+    }) else {
+        return Vec::new();
+    };
+    let mut found = vec![kubectl.clone()];
+    let real = std::fs::canonicalize(&kubectl).unwrap_or(kubectl);
+    if let Some(dir) = real.parent().and_then(|dir| std::fs::read_dir(dir).ok()) {
+        let mut versions: Vec<PathBuf> = dir
+            .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+            .filter(|path| {
+                path.file_name()
+                    .and_then(|name| name.to_str())
+                    .is_some_and(|name| name.starts_with("kubectl.1."))
+            })
+            .collect();
+        versions.sort();
+        found.extend(versions);
+    }
+    found
+}
+
+/// Every document of `yaml` is decoded by each kubectl in `clients` offline, as `kubectl
+/// apply` decodes it (YAML 1.1 rules, then the Kubernetes types), and reads back with every
+/// value that our own YAML library reads: no string became a boolean, a number or a
+/// timestamp, nothing was refused.
+///
+/// `kubectl set resources --local` decodes each workload into its typed object (and declines
+/// other kinds, which is all it may say of them); `kubectl label --local` decodes every kind.
+fn check_with_kubectl(yaml: &str, clients: &[PathBuf]) {
+    use serde::Deserialize;
+    if clients.is_empty() {
+        support::skip(
+            "kubectl decoding",
+            "no kubectl on PATH; the YAML 1.1 reading of inject's output is not checked",
+        );
+        return;
+    }
+    let mut ours = Vec::new();
+    for document in serde_norway::Deserializer::from_str(yaml) {
+        let value =
+            serde_json::to_value(serde_norway::Value::deserialize(document).unwrap()).unwrap();
+        match value["kind"].as_str() {
+            Some("List") => ours.extend(value["items"].as_array().unwrap().iter().cloned()),
+            _ => ours.push(value),
+        }
+    }
+    let file = std::env::temp_dir().join(format!(
+        "lameduck-kubectl-{}-{:?}.yaml",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::write(&file, yaml).unwrap();
+    for kubectl in clients {
+        let run = |args: &[&str]| {
+            let output = Command::new(kubectl)
+                .args(args)
+                .arg("-f")
+                .arg(&file)
+                .args(["-o", "json"])
+                .env("KUBECONFIG", "/dev/null")
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+            let objects: Vec<serde_json::Value> =
+                serde_json::Deserializer::from_slice(&output.stdout)
+                    .into_iter()
+                    .collect::<Result<_, _>>()
+                    .unwrap_or_else(|error| panic!("{}: {error}", kubectl.display()));
+            (output.status.success(), objects, stderr)
+        };
+        let (ok, labelled, stderr) = run(&["label", "--local", "lameduck.test/decoded=true"]);
+        assert!(
+            ok,
+            "{} refused inject's output:\n{stderr}",
+            kubectl.display()
+        );
+        assert_eq!(
+            labelled.len(),
+            ours.len(),
+            "{}: {stderr}",
+            kubectl.display()
+        );
+        for (theirs, ours) in labelled.iter().zip(&ours) {
+            assert_contains(theirs, ours, kubectl, "", false);
+        }
+        // Native sidecars (`restartPolicy` on an init container) came in Kubernetes 1.28 (beta
+        // and on by default in 1.29, the version the README requires): older typed readings
+        // drop the field, as the API server of those versions would.
+        let minor = kubectl
+            .extension()
+            .and_then(|ext| ext.to_str())
+            .and_then(|ext| ext.parse::<u32>().ok());
+        if minor.is_some_and(|minor| minor < 29) {
+            continue;
+        }
+        let (_, typed, stderr) = run(&["set", "resources", "--local", "--limits=cpu=1"]);
+        for line in stderr.lines().filter(|line| !line.is_empty()) {
+            assert!(
+                line.contains("is not a pod or does not have a pod template"),
+                "{} could not decode inject's output into its types:\n{stderr}",
+                kubectl.display()
+            );
+        }
+        for theirs in &typed {
+            let ours = ours
+                .iter()
+                .find(|ours| {
+                    ours["kind"] == theirs["kind"]
+                        && ours["metadata"]["name"] == theirs["metadata"]["name"]
+                })
+                .unwrap_or_else(|| {
+                    panic!(
+                        "{} decoded an object we did not write: {theirs}",
+                        kubectl.display()
+                    )
+                });
+            assert_contains(theirs, ours, kubectl, "", true);
+        }
+    }
+    let _ = std::fs::remove_file(&file);
+}
+
+/// Every value in `ours` is in `theirs` at the same place, of the same type; `theirs` may hold
+/// more (fields kubectl adds: defaults, the label or limit it was asked to set). A typed
+/// reading leaves out empty values (Go's `omitempty`: an env var's `value: ""`); an untyped one
+/// leaves out nothing.
+fn assert_contains(
+    theirs: &serde_json::Value,
+    ours: &serde_json::Value,
+    kubectl: &Path,
+    at: &str,
+    typed: bool,
+) {
+    use serde_json::Value;
+    match (theirs, ours) {
+        (Value::Object(theirs), Value::Object(ours)) => {
+            for (key, value) in ours {
+                let missing = !theirs.contains_key(key);
+                let empty = matches!(value, Value::Null)
+                    || value.as_str() == Some("")
+                    || value.as_object().is_some_and(|map| map.is_empty());
+                if missing && (*value == Value::Null || (typed && empty)) {
+                    continue;
+                }
+                let theirs = theirs.get(key).unwrap_or(&Value::Null);
+                assert_contains(theirs, value, kubectl, &format!("{at}.{key}"), typed);
+            }
+        }
+        (Value::Array(theirs), Value::Array(ours)) => {
+            assert_eq!(theirs.len(), ours.len(), "{}: {at}", kubectl.display());
+            for (index, (theirs, ours)) in theirs.iter().zip(ours).enumerate() {
+                assert_contains(theirs, ours, kubectl, &format!("{at}[{index}]"), typed);
+            }
+        }
+        _ => assert_eq!(
+            theirs,
+            ours,
+            "{} reads {at} differently from our YAML library",
+            kubectl.display()
+        ),
+    }
 }
 
 fn assert_idempotent(injected: &str, args: &[&str]) {
@@ -304,6 +474,55 @@ fn bad_annotations_exit_2_naming_object_annotation_and_value() {
     assert!(err.contains("invalid YAML"), "{err}");
     let (code, _, err) = inject("", &["--native-sidecar=perhaps"]);
     assert_eq!(code, 2, "{err}");
+}
+
+/// Issue: strings such as `"yes"`, `"1:30"` or `"2001-12-14"` lost their quotes, and kubectl
+/// then read a boolean, a number or a timestamp (and refused the file). Every string of the
+/// input, in annotations, labels, command, args, env values and a ConfigMap's data, comes back
+/// as the same string from our YAML 1.2 library and from every kubectl on the machine (YAML
+/// 1.1); numbers and booleans stay numbers and booleans.
+#[test]
+fn strings_come_back_as_the_same_strings_in_yaml_1_1_and_1_2() {
+    use serde::Deserialize;
+    let input = dir().join("strings.yaml");
+    let (out, _) = golden(&input, &[], &dir().join("strings.out.yaml"));
+    let read = |yaml: &str| -> Vec<serde_json::Value> {
+        serde_norway::Deserializer::from_str(yaml)
+            .map(|document| {
+                serde_json::to_value(serde_norway::Value::deserialize(document).unwrap()).unwrap()
+            })
+            .collect()
+    };
+    let written = read(&out);
+    let original = read(&std::fs::read_to_string(&input).unwrap());
+    assert_eq!(written.len(), original.len());
+    let ours = Path::new("serde_norway");
+    for (written, original) in written.iter().zip(&original) {
+        assert_contains(written, original, ours, "", false);
+    }
+    let template = &original[0]["spec"]["template"];
+    assert_eq!(template["metadata"]["annotations"]["example.com/a0"], "yes");
+    assert_eq!(original[0]["spec"]["replicas"], 2);
+    assert_eq!(template["spec"]["containers"][0]["tty"], true);
+    assert_eq!(
+        original[1]["data"]["yes"],
+        "a key that YAML 1.1 reads as a boolean"
+    );
+    check_with_kubectl(&out, &kubectls());
+    // Plain where no reader can take them for anything else, so the output stays readable.
+    for plain in [
+        "60s",
+        "nginx:1.27",
+        "--port=8080",
+        "0 3 * * *",
+        "a yes b",
+        "yes-please",
+    ] {
+        assert!(
+            out.contains(&format!(": {plain}\n")),
+            "{plain} quoted:\n{out}"
+        );
+    }
 }
 
 #[test]
