@@ -9,10 +9,11 @@
 use std::fmt;
 use std::io;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, UnixListener};
 use tracing::{info, warn};
 
 use crate::admin::{self, Admin};
@@ -21,6 +22,7 @@ use crate::conns::Connections;
 use crate::drain::{Drain, Phase, ShutdownReason, signal_name};
 use crate::listener::{self, RouteHandle, Shared};
 use crate::metrics::Metrics;
+use crate::quiesce::{self, InboundControl};
 use crate::signals::ShutdownSignals;
 use crate::upstream::Upstream;
 
@@ -33,7 +35,7 @@ const FORCE_CLOSE_WAIT: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 pub struct BuildError {
     what: String,
-    addr: SocketAddr,
+    at: String,
     source: io::Error,
 }
 
@@ -42,7 +44,7 @@ impl fmt::Display for BuildError {
         write!(
             f,
             "failed to bind the {} on {}: {}",
-            self.what, self.addr, self.source
+            self.what, self.at, self.source
         )
     }
 }
@@ -78,13 +80,15 @@ pub struct Bound {
     admin_addr: SocketAddr,
     /// Each route with its real listen address, and its listener.
     listeners: Vec<(Arc<Route>, TcpListener)>,
+    /// The control socket of the inbound quiesce, when configured.
+    control: Option<(PathBuf, UnixListener)>,
 }
 
 /// Binds the admin server and every route. Must run inside a Tokio runtime.
 pub fn build(config: Config) -> Result<Bound, BuildError> {
     let admin = listener::bind(config.admin).map_err(|source| BuildError {
         what: "admin server".into(),
-        addr: config.admin,
+        at: config.admin.to_string(),
         source,
     })?;
     let admin_addr = admin.local_addr().unwrap_or(config.admin);
@@ -92,7 +96,7 @@ pub fn build(config: Config) -> Result<Bound, BuildError> {
     for route in &config.routes {
         let bound = listener::bind(route.listen).map_err(|source| BuildError {
             what: format!("{} listener", route.direction),
-            addr: route.listen,
+            at: route.listen.to_string(),
             source,
         })?;
         let listen = bound.local_addr().unwrap_or(route.listen);
@@ -104,11 +108,23 @@ pub fn build(config: Config) -> Result<Bound, BuildError> {
             bound,
         ));
     }
+    let control = match &config.drain_socket {
+        Some(path) => Some((
+            path.clone(),
+            quiesce::bind(path).map_err(|source| BuildError {
+                what: "control socket".into(),
+                at: path.display().to_string(),
+                source,
+            })?,
+        )),
+        None => None,
+    };
     Ok(Bound {
         config,
         admin,
         admin_addr,
         listeners,
+        control,
     })
 }
 
@@ -132,6 +148,7 @@ impl Bound {
             admin,
             admin_addr,
             listeners,
+            control,
         } = self;
         let drain = Arc::new(Drain::default());
         let conns = Arc::new(Connections::default());
@@ -158,6 +175,7 @@ impl Bound {
             http: config.http.clone(),
             limit: Arc::new(tokio::sync::Semaphore::new(max_connections)),
         });
+        let mut inbound_routes = Vec::new();
         for (route, bound) in listeners {
             info!(direction = %route.direction, listen = %route.listen, target = %route.target, protocol = route.protocol.as_str(), "listening");
             let upstream = Upstream::new(
@@ -171,8 +189,28 @@ impl Bound {
                 upstream,
                 target_name: route.target.to_string(),
             });
-            let accepting = &drain.side(route.direction).accepting;
-            accepting.spawn(listener::accept_loop(bound, handle, shared.clone()));
+            if route.direction == Direction::Inbound {
+                inbound_routes.push(handle.clone());
+            }
+            let side = drain.side(route.direction);
+            side.accepting.spawn(listener::accept_loop(
+                bound,
+                handle,
+                shared.clone(),
+                side.clone(),
+            ));
+        }
+        if let Some((path, socket)) = control {
+            let inbound = Arc::new(InboundControl::new(
+                drain.clone(),
+                conns.clone(),
+                shared.clone(),
+                inbound_routes,
+                config.lame_duck_period,
+                config.shutdown_grace_period,
+            ));
+            info!(path = %path.display(), "control socket listening (inbound quiesce for preStop hooks)");
+            tokio::spawn(quiesce::serve(socket, path, inbound));
         }
         if signals.arrived() {
             info!("a shutdown signal arrived during start-up");
@@ -202,8 +240,8 @@ impl Bound {
             open_connections = conns.len(),
             "shutdown started"
         );
-        drain.inbound.tracker.close();
-        drain.outbound.tracker.close();
+        drain.side(Direction::Inbound).tracker.close();
+        drain.side(Direction::Outbound).tracker.close();
 
         let sequence = drain_sequence(&drain, &config);
         tokio::pin!(sequence);
@@ -242,28 +280,36 @@ impl Bound {
     }
 }
 
-/// Lame duck, then close the listeners, then wait until every connection has closed.
+/// Lame duck, then close the listeners, then wait until every connection has closed. After an
+/// inbound quiesce (the app's preStop hook) the lame duck has been served already: peers have
+/// stopped routing to the pod, and the app has exited (a native sidecar is signalled last).
 async fn drain_sequence(drain: &Drain, config: &Config) {
     let after_inbound = config.outbound_shutdown == OutboundShutdown::AfterInbound;
-    drain.inbound.go_away.cancel();
+    let (inbound, outbound) = (
+        drain.side(Direction::Inbound),
+        drain.side(Direction::Outbound),
+    );
+    inbound.go_away.cancel();
     if !after_inbound {
-        drain.outbound.go_away.cancel();
+        outbound.go_away.cancel();
     }
-    if !config.lame_duck_period.is_zero() {
+    if drain.is_inbound_quiesced() {
+        info!("the inbound side was quiesced already: no lame duck");
+    } else if !config.lame_duck_period.is_zero() {
         info!(period = %humantime::format_duration(config.lame_duck_period), "lame duck: still accepting, asking connections to go away");
         tokio::time::sleep(config.lame_duck_period).await;
     }
     drain.set_phase(Phase::Draining);
     if after_inbound {
-        drain.inbound.close().await;
-        drain.inbound.tracker.wait().await;
+        inbound.close().await;
+        inbound.tracker.wait().await;
         info!("inbound side drained; closing the outbound listeners");
-        drain.outbound.go_away.cancel();
-        drain.outbound.close().await;
-        drain.outbound.tracker.wait().await;
+        outbound.go_away.cancel();
+        outbound.close().await;
+        outbound.tracker.wait().await;
     } else {
-        tokio::join!(drain.inbound.close(), drain.outbound.close());
-        tokio::join!(drain.inbound.tracker.wait(), drain.outbound.tracker.wait());
+        tokio::join!(inbound.close(), outbound.close());
+        tokio::join!(inbound.tracker.wait(), outbound.tracker.wait());
     }
 }
 
@@ -277,14 +323,18 @@ async fn force_close(drain: &Drain, conns: &Connections, metrics: &Metrics, why:
         "{why}: resetting the remaining connections"
     );
     metrics.force_closed(survivors.len() as u64);
-    for side in [&drain.inbound, &drain.outbound] {
+    let sides = [
+        drain.side(Direction::Inbound),
+        drain.side(Direction::Outbound),
+    ];
+    for side in &sides {
         side.go_away.cancel();
         side.close_listeners.cancel();
         side.draining.cancel();
     }
     drain.terminate.cancel();
     let closed = tokio::time::timeout(FORCE_CLOSE_WAIT, async {
-        tokio::join!(drain.inbound.tracker.wait(), drain.outbound.tracker.wait());
+        tokio::join!(sides[0].tracker.wait(), sides[1].tracker.wait());
     })
     .await;
     for conn in &survivors {

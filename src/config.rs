@@ -12,6 +12,7 @@
 use std::ffi::OsString;
 use std::fmt;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -79,6 +80,12 @@ pub struct ProxyArgs {
     /// [env: LAMEDUCK_SHUTDOWN_ENDPOINT=true|false] [default: disabled]
     #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub shutdown_endpoint: Option<String>,
+
+    /// Unix socket on which the app containers' preStop and postStart hooks (`lameduck
+    /// prestop`, `lameduck poststart`) ask the proxy to quiesce its inbound side and to serve
+    /// it again [env: LAMEDUCK_DRAIN_SOCKET] [default: none]
+    #[arg(long, value_name = "PATH")]
+    pub drain_socket: Option<String>,
 
     /// How long connecting to a target may take [env: LAMEDUCK_CONNECT_TIMEOUT] [default: 5s]
     #[arg(long, value_name = "DURATION")]
@@ -214,6 +221,8 @@ pub struct Config {
     pub lame_duck_period: Duration,
     pub outbound_shutdown: OutboundShutdown,
     pub shutdown_endpoint: bool,
+    /// The control socket of the inbound quiesce (CONTRACT section 7).
+    pub drain_socket: Option<PathBuf>,
     pub connect_timeout: Duration,
     pub http: HttpConfig,
     pub log_filter: String,
@@ -306,6 +315,11 @@ const SHUTDOWN_ENDPOINT: Setting = Setting {
     flag: "--shutdown-endpoint",
     var: "LAMEDUCK_SHUTDOWN_ENDPOINT",
     example: "true or false",
+};
+const DRAIN_SOCKET: Setting = Setting {
+    flag: "--drain-socket",
+    var: "LAMEDUCK_DRAIN_SOCKET",
+    example: "/lameduck/drain.sock",
 };
 const CONNECT_TIMEOUT: Setting = Setting {
     flag: "--connect-timeout",
@@ -468,6 +482,10 @@ impl Config {
             Some(raw) => parse_bool(&raw, SHUTDOWN_ENDPOINT.example)?,
             None => false,
         };
+        let drain_socket = match lookup(&DRAIN_SOCKET, args.drain_socket)? {
+            Some(raw) => Some(parse_socket_path(&raw, DRAIN_SOCKET.example)?),
+            None => None,
+        };
         let positive = |setting: &Setting, flag: Option<String>, default: Duration| match lookup(
             setting, flag,
         )? {
@@ -544,6 +562,7 @@ impl Config {
             lame_duck_period,
             outbound_shutdown,
             shutdown_endpoint,
+            drain_socket,
             connect_timeout,
             http,
             log_filter,
@@ -729,6 +748,24 @@ fn parse_size(raw: &Raw, example: &'static str) -> Result<usize, ConfigError> {
         return Err(raw.error("must be from 8KiB to 1MiB", example));
     }
     Ok(size)
+}
+
+/// A Unix socket path: not empty, no NUL, short enough for `sun_path` (107 bytes and the NUL).
+pub(crate) fn parse_socket_path(raw: &Raw, example: &'static str) -> Result<PathBuf, ConfigError> {
+    let value = raw.value.as_str();
+    if value.is_empty() || value.ends_with('/') {
+        return Err(raw.error("expected the path of a socket file", example));
+    }
+    if value.contains('\0') {
+        return Err(raw.error("a path cannot hold a NUL byte", example));
+    }
+    if value.len() > 107 {
+        return Err(raw.error(
+            "longer than the 107 bytes a Unix socket path may have",
+            example,
+        ));
+    }
+    Ok(PathBuf::from(value))
 }
 
 pub(crate) fn parse_bool(raw: &Raw, example: &'static str) -> Result<bool, ConfigError> {

@@ -9,8 +9,8 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 #[cfg(test)]
 use std::time::Duration;
@@ -80,7 +80,11 @@ impl Phase {
 }
 
 /// The shutdown state of one direction's listeners and connections.
-#[derive(Debug, Default)]
+///
+/// The outbound side has one for the life of the process. The inbound side has a new one each
+/// time it serves again after a quiesce (an app container restarted, CONTRACT section 7): the
+/// connections and listeners of the old one drain on as they were.
+#[derive(Debug)]
 pub struct Side {
     /// Cancelled by `app::run` when this side's connections must ask their peers to go away
     /// (HTTP `connection: close`, GOAWAY); opaque TCP ignores it.
@@ -99,9 +103,23 @@ pub struct Side {
     /// Tracks this side's connection tasks; closed by `app::run` once the shutdown starts, so
     /// that `wait()` ends when the side has drained.
     pub tracker: TaskTracker,
+    /// Cancelled when this side's connections must be reset now: by the inbound quiesce when
+    /// its grace period runs out, and (as a child of [`Drain::terminate`]) with everything else.
+    pub terminate: CancellationToken,
 }
 
 impl Side {
+    fn new(terminate: &CancellationToken) -> Side {
+        Side {
+            go_away: CancellationToken::new(),
+            close_listeners: CancellationToken::new(),
+            accepting: TaskTracker::new(),
+            draining: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+            terminate: terminate.child_token(),
+        }
+    }
+
     /// Closes the listeners, waits until each has accepted its queue and closed, then tells
     /// the connections that the side is draining.
     pub async fn close(&self) {
@@ -131,8 +149,11 @@ pub struct Drain {
     reason: OnceLock<ShutdownReason>,
     started_at: OnceLock<(Instant, SystemTime)>,
     phase: AtomicU8,
-    pub inbound: Side,
-    pub outbound: Side,
+    /// The inbound side serving now (replaced when it serves again after a quiesce).
+    inbound: Mutex<Arc<Side>>,
+    outbound: Arc<Side>,
+    /// Set while the inbound side is quiesced (CONTRACT section 7): `/ready` answers 503.
+    inbound_quiesced: AtomicBool,
     /// Cancelled by `app::run` when the grace period runs out or a second signal arrives:
     /// every connection task resets its sockets and ends.
     pub terminate: CancellationToken,
@@ -140,14 +161,16 @@ pub struct Drain {
 
 impl Default for Drain {
     fn default() -> Self {
+        let terminate = CancellationToken::new();
         Drain {
             shutdown: CancellationToken::new(),
             reason: OnceLock::new(),
             started_at: OnceLock::new(),
             phase: AtomicU8::new(Phase::Starting as u8),
-            inbound: Side::default(),
-            outbound: Side::default(),
-            terminate: CancellationToken::new(),
+            inbound: Mutex::new(Arc::new(Side::new(&terminate))),
+            outbound: Arc::new(Side::new(&terminate)),
+            inbound_quiesced: AtomicBool::new(false),
+            terminate,
         }
     }
 }
@@ -200,28 +223,53 @@ impl Drain {
         );
     }
 
-    /// What `/ready` reports: true only while serving.
+    /// What `/ready` reports: true only while serving with the inbound side open.
     pub fn is_ready(&self) -> bool {
-        self.phase() == Phase::Serving
+        self.phase() == Phase::Serving && !self.is_inbound_quiesced()
     }
 
-    pub fn side(&self, direction: Direction) -> &Side {
+    pub fn is_inbound_quiesced(&self) -> bool {
+        self.inbound_quiesced.load(Ordering::Acquire)
+    }
+
+    pub fn set_inbound_quiesced(&self, quiesced: bool) {
+        self.inbound_quiesced.store(quiesced, Ordering::Release);
+    }
+
+    /// The side of `direction` serving now.
+    pub fn side(&self, direction: Direction) -> Arc<Side> {
         match direction {
-            Direction::Inbound => &self.inbound,
-            Direction::Outbound => &self.outbound,
+            Direction::Inbound => lock(&self.inbound).clone(),
+            Direction::Outbound => self.outbound.clone(),
         }
     }
 
-    /// Tokens for a new connection of `direction`: the side's own tokens, shared (nothing
+    /// Puts a fresh inbound side in place of the current one and returns both (new, old).
+    pub fn renew_inbound(&self) -> (Arc<Side>, Arc<Side>) {
+        let fresh = Arc::new(Side::new(&self.terminate));
+        let old = std::mem::replace(&mut *lock(&self.inbound), fresh.clone());
+        (fresh, old)
+    }
+}
+
+impl Side {
+    /// Tokens for a new connection of this side: the side's own tokens, shared (nothing
     /// cancels one connection alone, so a child token each would only cost an allocation and
     /// the parent's lock on every connection's open and close).
-    pub fn conn_tokens(&self, direction: Direction) -> ConnTokens {
+    pub fn conn_tokens(&self) -> ConnTokens {
         ConnTokens {
-            go_away: self.side(direction).go_away.clone(),
-            draining: self.side(direction).draining.clone(),
+            go_away: self.go_away.clone(),
+            draining: self.draining.clone(),
             terminate: self.terminate.clone(),
         }
     }
+}
+
+/// A lock whose holder never panics while holding it; a poisoned one is used as it is.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 pin_project_lite::pin_project! {

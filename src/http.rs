@@ -187,9 +187,10 @@ pub async fn serve(
 async fn serve_http1(stream: TcpStream, ctx: Arc<ConnCtx>, draining: &CancellationToken) {
     let sessions = Box::pin(http1_sessions(stream, &ctx, draining, false));
     if let Some(parked) = sessions.await {
-        let tracker = &ctx.shared.drain.side(ctx.conn().direction()).tracker;
+        let side = ctx.shared.drain.side(ctx.conn().direction());
         let parked = keep_alive(parked, ctx.clone(), draining.clone());
-        tracker.spawn(parked.instrument(tracing::Span::current()));
+        side.tracker
+            .spawn(parked.instrument(tracing::Span::current()));
     }
 }
 

@@ -8,13 +8,18 @@
 //! - Native sidecar (default): an init container `lameduck-proxy` with `restartPolicy: Always`.
 //! - Legacy (`--native-sidecar=false`, or `lameduck.io/native-sidecar: disabled`): an ordinary
 //!   container; in Job and CronJob pods every app container with an explicit `command` is
-//!   wrapped as `lameduck await --shutdown -- <command…>`, the binary copied into a shared
-//!   `emptyDir` by an init container, and the shutdown endpoint enabled.
+//!   wrapped as `lameduck await --shutdown -- <command…>`, and the shutdown endpoint enabled.
+//! - In both: an init container `lameduck-install` copies the binary into a shared `emptyDir`
+//!   mounted at `/lameduck`, where the proxy also keeps its control socket; every app container
+//!   gets a `preStop` hook (`lameduck prestop`: quiesce the proxy's inbound side and wait for
+//!   its drain, before the kubelet signals the app) and a `postStart` hook (`lameduck
+//!   poststart`: serve inbound again after a restart), chained with the container's own exec
+//!   or sleep hooks (CONTRACT section 7).
 //! - The grace budget: the proxy's grace period comes from the annotation (ours, else
-//!   Linkerd's) and `terminationGracePeriodSeconds` is raised to cover it plus
-//!   [`GRACE_MARGIN_SECONDS`], never lowered; without an annotation the grace period is the
-//!   pod's budget minus that margin, so the proxy's forced close comes before the kubelet's
-//!   SIGKILL.
+//!   Linkerd's), else it is the pod's budget minus [`GRACE_MARGIN_SECONDS`]; it bounds the
+//!   inbound drain. `terminationGracePeriodSeconds` is raised to that grace period, plus the
+//!   budget the app had before injection (for its own shutdown, which now starts after the
+//!   drain), plus the margin; never lowered.
 //! - Idempotent: a pod template that already has `lameduck-proxy` is left alone.
 
 use std::fmt;
@@ -47,6 +52,11 @@ const KNOWN: [&str; 6] = [
 pub const PROXY_NAME: &str = "lameduck-proxy";
 /// Seconds between the proxy's grace period and the pod's, for the proxy to exit in.
 pub const GRACE_MARGIN_SECONDS: u64 = 5;
+/// The lame-duck period inject configures when the workload does not choose one: the seconds
+/// in which kube-proxy, ingresses and client-side pools still send new connections to a pod
+/// that is being deleted (Istio's default drain is 5 s too). Jobs serve no inbound traffic
+/// and get none, so that they complete without waiting.
+pub const DEFAULT_LAME_DUCK: Duration = Duration::from_secs(5);
 /// Kubernetes' default `terminationGracePeriodSeconds`.
 const DEFAULT_POD_GRACE_SECONDS: u64 = 30;
 /// The image the proxy container runs when `--image` is not given.
@@ -55,6 +65,7 @@ pub const DEFAULT_IMAGE: &str = concat!("lameduck:", env!("CARGO_PKG_VERSION"));
 const IMAGE_BINARY: &str = "/usr/local/bin/lameduck";
 const SHARED_DIR: &str = "/lameduck";
 const SHARED_BINARY: &str = "/lameduck/lameduck";
+const SHARED_SOCKET: &str = "/lameduck/drain.sock";
 const SHARED_VOLUME: &str = "lameduck-bin";
 const INSTALL_NAME: &str = "lameduck-install";
 const FIRST_INBOUND_PORT: u16 = 4143;
@@ -260,11 +271,16 @@ fn inject_template(
     {
         return Ok(());
     }
-    let settings = settings(spec, object, &get, options)?;
+    let settings = settings(spec, object, &get, is_job, options)?;
     if let Some((from, to)) = settings.raise_pod_grace_to {
         let message = format!(
-            "{} {}/{}: raised terminationGracePeriodSeconds from {from} to {to} to cover the proxy's grace period",
-            object.kind, object.namespace, object.name
+            "{} {}/{}: raised terminationGracePeriodSeconds from {from} to {to}: the inbound drain \
+             (at most the proxy's grace period, {}) comes before the app's own {from} s, plus \
+             {GRACE_MARGIN_SECONDS} s for the proxy to exit",
+            object.kind,
+            object.namespace,
+            object.name,
+            format_duration(settings.grace)
         );
         notes.push(message);
         map(spec).insert("terminationGracePeriodSeconds".into(), to.into());
@@ -281,14 +297,16 @@ fn inject_template(
         endpoint = Some(true);
     }
     let proxy = proxy_container(&settings, endpoint, options);
+    hook_app_containers(spec, object, notes);
     if settings.native {
         sequence(spec, "initContainers").insert(0, proxy);
     } else {
         sequence(spec, "containers").push(proxy);
     }
     if legacy_job {
-        wrap_job_containers(spec, object, options, notes);
+        wrap_job_containers(spec, object, notes);
     }
+    install_binary(spec, options);
     Ok(())
 }
 
@@ -318,6 +336,7 @@ fn settings<'a>(
     spec: &Value,
     object: &Object,
     get: &impl Fn(&str) -> Option<&'a str>,
+    is_job: bool,
     options: &InjectOptions,
 ) -> Result<Settings, InjectError> {
     let duration = |key: &str, value: &str| {
@@ -347,17 +366,11 @@ fn settings<'a>(
         (None, Some(value)) => Some(duration(ANNOTATION_LINKERD_GRACE, value)?),
         (None, None) => None,
     };
-    let (grace, raise_pod_grace_to) = match annotated {
-        Some(grace) => {
-            let needed =
-                grace.as_secs() + u64::from(grace.subsec_nanos() > 0) + GRACE_MARGIN_SECONDS;
-            (grace, (pod_grace < needed).then_some((pod_grace, needed)))
-        }
-        None => (
-            Duration::from_secs(pod_grace - GRACE_MARGIN_SECONDS.min(pod_grace / 2)),
-            None,
-        ),
-    };
+    let grace = annotated.unwrap_or_else(|| {
+        Duration::from_secs(pod_grace - GRACE_MARGIN_SECONDS.min(pod_grace / 2))
+    });
+    let needed = pod_budget(grace, pod_grace);
+    let raise_pod_grace_to = (pod_grace < needed).then_some((pod_grace, needed));
     let lame_duck = match get(ANNOTATION_LAME_DUCK) {
         Some(value) => {
             let period = duration(ANNOTATION_LAME_DUCK, value)?;
@@ -373,7 +386,8 @@ fn settings<'a>(
             }
             Some(period)
         }
-        None => None,
+        None if is_job => None,
+        None => Some(DEFAULT_LAME_DUCK.min(grace)),
     };
     let inbound_ports = match get(ANNOTATION_INBOUND_PORTS) {
         Some(value) => {
@@ -403,6 +417,15 @@ fn settings<'a>(
         inbound_ports,
         native,
     })
+}
+
+/// The `terminationGracePeriodSeconds` an injected pod needs (CONTRACT section 7): the inbound
+/// drain, which the preStop hook waits for and which the proxy bounds by its grace period (lame
+/// duck included); then the app's own shutdown, with the budget it had before injection; then
+/// the margin in which the proxy, signalled last, exits.
+pub fn pod_budget(grace: Duration, app_budget: u64) -> u64 {
+    let drain = grace.as_secs() + u64::from(grace.subsec_nanos() > 0);
+    drain + app_budget + GRACE_MARGIN_SECONDS
 }
 
 /// TCP ports the app containers declare, in order, without repeats.
@@ -453,6 +476,7 @@ fn proxy_container(
             &format_duration(period),
         ));
     }
+    env.push(env_var("LAMEDUCK_DRAIN_SOCKET", SHARED_SOCKET));
     if let Some(enabled) = shutdown_endpoint {
         env.push(env_var(
             "LAMEDUCK_SHUTDOWN_ENDPOINT",
@@ -486,6 +510,12 @@ fn proxy_container(
     }
     container.insert("ports".into(), Value::Sequence(ports));
     container.insert("env".into(), Value::Sequence(env));
+    container.insert(
+        "volumeMounts".into(),
+        yaml(&format!(
+            "[{{name: {SHARED_VOLUME}, mountPath: {SHARED_DIR}}}]"
+        )),
+    );
     container.insert("startupProbe".into(), probe("/ready", 1, 120));
     container.insert("readinessProbe".into(), probe("/ready", 5, 3));
     container.insert("livenessProbe".into(), probe("/live", 10, 3));
@@ -504,24 +534,9 @@ fn proxy_container(
 }
 
 /// Wraps every app container with an explicit command in `lameduck await --shutdown`.
-fn wrap_job_containers(
-    spec: &mut Value,
-    object: &Object,
-    options: &InjectOptions,
-    notes: &mut Vec<String>,
-) {
-    let mount = yaml(&format!(
-        "{{name: {SHARED_VOLUME}, mountPath: {SHARED_DIR}, readOnly: true}}"
-    ));
-    for container in sequence(spec, "containers").iter_mut() {
-        let name = container
-            .get("name")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string();
-        if name == PROXY_NAME {
-            continue;
-        }
+fn wrap_job_containers(spec: &mut Value, object: &Object, notes: &mut Vec<String>) {
+    for container in app_containers(spec) {
+        let name = container_name(container);
         let Some(command) = container
             .get("command")
             .and_then(Value::as_sequence)
@@ -534,15 +549,91 @@ fn wrap_job_containers(
             ));
             continue;
         };
-        let mut wrapped: Vec<Value> = ["await", "--shutdown", "--"]
+        let mut wrapped: Vec<Value> = [SHARED_BINARY, "await", "--shutdown", "--"]
             .iter()
             .map(|&arg| arg.into())
             .collect();
-        wrapped.insert(0, SHARED_BINARY.into());
         wrapped.extend(command);
         map(container).insert("command".into(), Value::Sequence(wrapped));
-        sequence(container, "volumeMounts").push(mount.clone());
     }
+}
+
+/// Every app container mounts the shared volume (read-only) and gets the preStop and
+/// postStart hooks that quiesce and resume the proxy's inbound side.
+fn hook_app_containers(spec: &mut Value, object: &Object, notes: &mut Vec<String>) {
+    let mount = yaml(&format!(
+        "{{name: {SHARED_VOLUME}, mountPath: {SHARED_DIR}, readOnly: true}}"
+    ));
+    for container in app_containers(spec) {
+        sequence(container, "volumeMounts").push(mount.clone());
+        for (event, command) in [("preStop", "prestop"), ("postStart", "poststart")] {
+            if let Err(kept) = chain_hook(container, event, command) {
+                notes.push(format!(
+                    "{} {}/{}: container {} has a {kept} {event} hook, which cannot run after \
+                     another; it is kept and lameduck's `{command}` is not added{}",
+                    object.kind,
+                    object.namespace,
+                    object.name,
+                    container_name(container),
+                    match event {
+                        "preStop" => ": the app may be signalled while inbound requests are in flight; make it an exec hook",
+                        _ => ": after a restart of this container the proxy does not serve inbound again until the pod is replaced; make it an exec hook",
+                    }
+                ));
+            }
+        }
+    }
+}
+
+/// Sets the container's `event` hook to `lameduck COMMAND`, followed by the container's own
+/// exec or sleep action; another kind of action (httpGet) is kept, and its kind returned.
+fn chain_hook(container: &mut Value, event: &str, command: &str) -> Result<(), String> {
+    let mut exec: Vec<Value> = vec![SHARED_BINARY.into(), command.into()];
+    let existing = container.get("lifecycle").and_then(|l| l.get(event));
+    if let Some(existing) = existing {
+        if let Some(theirs) = existing
+            .get("exec")
+            .and_then(|exec| exec.get("command"))
+            .and_then(Value::as_sequence)
+        {
+            exec.push("--".into());
+            exec.extend(theirs.iter().cloned());
+        } else if let Some(seconds) = existing
+            .get("sleep")
+            .and_then(|sleep| sleep.get("seconds"))
+            .and_then(Value::as_u64)
+        {
+            exec.push("--sleep".into());
+            exec.push(format!("{seconds}s").into());
+        } else {
+            let kind = existing
+                .as_mapping()
+                .and_then(|action| action.keys().next())
+                .and_then(Value::as_str)
+                .unwrap_or("unknown")
+                .to_string();
+            return Err(kind);
+        }
+    }
+    let mut action = Mapping::new();
+    action.insert("command".into(), Value::Sequence(exec));
+    let mut handler = Mapping::new();
+    handler.insert("exec".into(), Value::Mapping(action));
+    let lifecycle = container
+        .as_mapping_mut()
+        .expect("containers are mappings")
+        .entry("lifecycle".into())
+        .or_insert_with(|| Value::Mapping(Mapping::new()));
+    if !lifecycle.is_mapping() {
+        *lifecycle = Value::Mapping(Mapping::new());
+    }
+    map(lifecycle).insert(event.into(), Value::Mapping(handler));
+    Ok(())
+}
+
+/// The shared volume, and the init container that copies the binary into it (first of all,
+/// so that the proxy finds the volume ready and the app containers find the binary).
+fn install_binary(spec: &mut Value, options: &InjectOptions) {
     sequence(spec, "volumes").push(yaml(&format!("{{name: {SHARED_VOLUME}, emptyDir: {{}}}}")));
     let mut install = Mapping::new();
     install.insert("name".into(), INSTALL_NAME.into());
@@ -562,6 +653,22 @@ fn wrap_job_containers(
         yaml("{runAsNonRoot: true, runAsUser: 65532, allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}"),
     );
     sequence(spec, "initContainers").insert(0, Value::Mapping(install));
+}
+
+/// The pod's app containers: every entry of `containers` but the proxy.
+fn app_containers(spec: &mut Value) -> impl Iterator<Item = &mut Value> {
+    sequence(spec, "containers")
+        .iter_mut()
+        .filter(|container| container_name(container) != PROXY_NAME)
+        .filter(|container| container.is_mapping())
+}
+
+fn container_name(container: &Value) -> String {
+    container
+        .get("name")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string()
 }
 
 fn has_container(spec: &Value, list: &str, name: &str) -> bool {

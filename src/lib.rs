@@ -13,8 +13,10 @@
 //! - [`upstream`]: pooled HTTP clients towards each route's target;
 //! - [`conns`]: the registry of open connections behind `/connections` and the metrics;
 //! - [`admin`]: the admin server (`/live`, `/ready`, `/metrics`, `/shutdown`, `/connections`);
+//! - [`quiesce`]: the inbound quiesce that the app's `preStop` hook asks for, on a Unix socket;
 //! - [`metrics`]: Prometheus metrics;
 //! - [`logging`]: the `tracing` subscriber;
+//! - [`hook`]: `lameduck prestop` / `poststart`, the app containers' hooks that ask for it;
 //! - [`wrapper`]: `lameduck await`, running an app under the proxy's lifecycle;
 //! - [`inject`]: `lameduck inject`, the proxy added to Kubernetes workloads.
 
@@ -24,12 +26,14 @@ pub mod config;
 pub mod conns;
 pub mod detect;
 pub mod drain;
+pub mod hook;
 pub mod http;
 pub mod inject;
 pub mod listener;
 pub mod logging;
 pub mod metrics;
 pub mod proxy;
+pub mod quiesce;
 pub mod signals;
 pub mod tcp;
 pub mod upstream;

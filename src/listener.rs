@@ -23,7 +23,7 @@ use tracing::{Instrument, debug, info, warn};
 use crate::config::{HttpConfig, Protocol, Route};
 use crate::conns::{ConnProtocol, Connections, Registration};
 use crate::detect::{self, Detected};
-use crate::drain::{ConnTokens, Drain};
+use crate::drain::{ConnTokens, Drain, Side};
 use crate::http::{self, HttpVersion};
 use crate::metrics::Metrics;
 use crate::tcp;
@@ -69,14 +69,19 @@ pub struct Shared {
     pub limit: Arc<Semaphore>,
 }
 
-/// Accepts connections for `route` until its side's listeners close.
-pub async fn accept_loop(listener: TcpListener, handle: Arc<RouteHandle>, shared: Arc<Shared>) {
+/// Accepts connections for `route` until `side`'s listeners close.
+pub async fn accept_loop(
+    listener: TcpListener,
+    handle: Arc<RouteHandle>,
+    shared: Arc<Shared>,
+    side: Arc<Side>,
+) {
     let route = &handle.route;
-    let side = shared.drain.side(route.direction);
     let mut errors = AcceptErrors::default();
     let mut at_limit_logged: Option<Instant> = None;
     loop {
-        let Some(permit) = room_for_one_more(&shared, route, &mut at_limit_logged).await else {
+        let Some(permit) = room_for_one_more(&shared, &side, route, &mut at_limit_logged).await
+        else {
             break;
         };
         let accepted = tokio::select! {
@@ -91,7 +96,7 @@ pub async fn accept_loop(listener: TcpListener, handle: Arc<RouteHandle>, shared
         match accepted {
             Ok((stream, peer)) => {
                 errors.succeeded();
-                spawn_connection(stream, peer, &handle, &shared, Some(permit));
+                spawn_connection(stream, peer, &handle, &shared, &side, Some(permit));
             }
             Err(error) => {
                 shared.metrics.accept_failed(route.direction);
@@ -104,7 +109,7 @@ pub async fn accept_loop(listener: TcpListener, handle: Arc<RouteHandle>, shared
             }
         }
     }
-    accept_queued(listener, &handle, &shared);
+    accept_queued(listener, &handle, &shared, &side);
     info!(direction = %route.direction, listen = %route.listen, "listener closed");
 }
 
@@ -113,6 +118,7 @@ pub async fn accept_loop(listener: TcpListener, handle: Arc<RouteHandle>, shared
 /// route's listeners close meanwhile.
 async fn room_for_one_more(
     shared: &Shared,
+    side: &Side,
     route: &Route,
     logged: &mut Option<Instant>,
 ) -> Option<OwnedSemaphorePermit> {
@@ -129,14 +135,19 @@ async fn room_for_one_more(
     }
     tokio::select! {
         // The shutdown sequence closed this side's listeners.
-        _ = shared.drain.side(route.direction).close_listeners.cancelled() => None,
+        _ = side.close_listeners.cancelled() => None,
         // A connection closed and gave its permit back.
         permit = shared.limit.clone().acquire_owned() => permit.ok(),
     }
 }
 
 /// Accepts every connection already in the kernel's queue, then closes the listener.
-fn accept_queued(listener: TcpListener, handle: &Arc<RouteHandle>, shared: &Arc<Shared>) {
+fn accept_queued(
+    listener: TcpListener,
+    handle: &Arc<RouteHandle>,
+    shared: &Arc<Shared>,
+    side: &Side,
+) {
     let route = &handle.route;
     let listener = match listener.into_std() {
         Ok(listener) => listener,
@@ -163,7 +174,7 @@ fn accept_queued(listener: TcpListener, handle: &Arc<RouteHandle>, shared: &Arc<
                         queued += 1;
                         // Over the limit if need be: these clients were already accepted by the kernel.
                         let permit = shared.limit.clone().try_acquire_owned().ok();
-                        spawn_connection(stream, peer, handle, shared, permit);
+                        spawn_connection(stream, peer, handle, shared, side, permit);
                     }
                     Err(error) => debug!(%error, %peer, "could not register a queued connection"),
                 }
@@ -207,6 +218,7 @@ fn spawn_connection(
     peer: SocketAddr,
     handle: &Arc<RouteHandle>,
     shared: &Arc<Shared>,
+    side: &Side,
     permit: Option<OwnedSemaphorePermit>,
 ) {
     let route = &handle.route;
@@ -215,15 +227,11 @@ fn spawn_connection(
         Protocol::Auto | Protocol::Http => ConnProtocol::Detecting,
     };
     let registration = shared.conns.register(route.clone(), peer, protocol, permit);
-    let tokens = shared.drain.conn_tokens(route.direction);
+    let tokens = side.conn_tokens();
     let span = tracing::debug_span!("conn", id = registration.conn().id, direction = %route.direction, %peer, target = %route.target);
     let handle = handle.clone();
     let shared = shared.clone();
-    shared
-        .drain
-        .side(route.direction)
-        .tracker
-        .clone()
+    side.tracker
         .spawn(serve(stream, registration, tokens, handle, shared).instrument(span));
 }
 

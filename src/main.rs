@@ -4,6 +4,7 @@
 
 use clap::{Parser, Subcommand};
 use lameduck::config::{Config, ProxyArgs, process_env};
+use lameduck::hook::{self, PostStartArgs, PreStopArgs};
 use lameduck::signals::ShutdownSignals;
 use lameduck::wrapper::{self, AwaitArgs};
 use lameduck::{app, inject, logging};
@@ -21,6 +22,8 @@ struct Cli {
     proxy: ProxyArgs,
 }
 
+// Parsed once per process: the size of the proxy's arguments costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run the proxy (the default command)
@@ -29,6 +32,11 @@ enum Command {
     Await(AwaitArgs),
     /// Read Kubernetes YAML and write it back with the proxy injected as a sidecar
     Inject(InjectArgs),
+    /// An app container's preStop hook: drain the proxy's inbound side, then run the
+    /// container's own preStop action
+    Prestop(PreStopArgs),
+    /// An app container's postStart hook: the proxy serves inbound again (after a restart)
+    Poststart(PostStartArgs),
     /// Copy this binary to PATH (used by legacy injection to hand it to app containers)
     #[command(hide = true)]
     CopyBinary {
@@ -62,7 +70,12 @@ fn main() {
     // The other commands keep the default signal dispositions (`await` installs its own).
     let first = std::env::args_os().nth(1);
     let tool = first.as_deref().and_then(|arg| arg.to_str());
-    if tool.is_some_and(|arg| matches!(arg, "await" | "inject" | "copy-binary")) {
+    if tool.is_some_and(|arg| {
+        matches!(
+            arg,
+            "await" | "inject" | "copy-binary" | "prestop" | "poststart"
+        )
+    }) {
         std::process::exit(run_tool());
     }
     // Signal handlers first, before configuration is read or a socket bound: as PID 1 a
@@ -94,7 +107,13 @@ fn main() {
     };
     let args = match cli.command {
         Some(Command::Proxy(args)) => args,
-        Some(Command::Await(_) | Command::Inject(_) | Command::CopyBinary { .. }) => {
+        Some(
+            Command::Await(_)
+            | Command::Inject(_)
+            | Command::CopyBinary { .. }
+            | Command::Prestop(_)
+            | Command::Poststart(_),
+        ) => {
             unreachable!("dispatched before the proxy's signal handlers")
         }
         None => cli.proxy,
@@ -118,7 +137,7 @@ fn main() {
     std::process::exit(code);
 }
 
-/// `await`, `inject` and `copy-binary`; returns the exit status.
+/// `await`, `inject`, `copy-binary`, `prestop` and `poststart`; returns the exit status.
 fn run_tool() -> i32 {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -128,6 +147,8 @@ fn run_tool() -> i32 {
         Some(Command::Await(args)) => wrapper::run(args, process_env),
         Some(Command::Inject(args)) => run_inject(args),
         Some(Command::CopyBinary { path }) => copy_binary(&path),
+        Some(Command::Prestop(args)) => hook::prestop(args),
+        Some(Command::Poststart(args)) => hook::poststart(args),
         _ => unreachable!("the first argument names a tool command"),
     }
 }

@@ -9,6 +9,7 @@ mod support;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -329,12 +330,16 @@ fn every_workload_kind_as_native_sidecar() {
     );
     assert_eq!(out.matches("restartPolicy: Always").count(), 8);
     assert!(
-        !err.contains("Pod tools/debug"),
-        "60s already covers 20s + margin: {err}"
+        err.contains("Pod tools/debug: raised terminationGracePeriodSeconds from 60 to 85"),
+        "20s of inbound drain, then the app's own 60s, then the margin: {err}"
     );
     assert!(
-        err.contains("CronJob default/nightly: raised terminationGracePeriodSeconds from 30 to 50"),
+        err.contains("CronJob default/nightly: raised terminationGracePeriodSeconds from 30 to 80"),
         "{err}"
+    );
+    assert_eq!(
+        out.matches("- prestop\n").count(),
+        out.matches("- poststart\n").count()
     );
 }
 
@@ -353,8 +358,17 @@ fn every_workload_kind_in_legacy_mode() {
     );
     assert_eq!(
         out.matches("name: lameduck-install").count(),
+        8,
+        "every injected pod gets the binary for its hooks"
+    );
+    assert_eq!(
+        out.matches("- /lameduck/lameduck\n        - await\n")
+            .count()
+            + out
+                .matches("- /lameduck/lameduck\n            - await\n")
+                .count(),
         2,
-        "Job and CronJob get the install step"
+        "only Job and CronJob containers are wrapped:\n{out}"
     );
     assert!(
         err.contains("container uploader has no explicit command"),
@@ -380,8 +394,8 @@ fn every_annotation_takes_effect() {
         Some("5s")
     );
     assert!(
-        docs[0].contains("terminationGracePeriodSeconds: 300"),
-        "never lowered"
+        docs[0].contains("terminationGracePeriodSeconds: 395"),
+        "300s of the app's own, after 90s of inbound drain, and the margin"
     );
     assert_eq!(
         proxy_env(docs[1], "LAMEDUCK_INBOUND").as_deref(),
@@ -405,7 +419,162 @@ fn every_annotation_takes_effect() {
         Some("false")
     );
     assert!(!docs[3].contains("lameduck-proxy"), "inject: disabled");
-    assert!(err.is_empty(), "{err}");
+    assert_eq!(
+        err.lines().count(),
+        3,
+        "one note per injected workload, each a raised budget: {err}"
+    );
+    assert!(
+        err.lines()
+            .all(|line| line.contains("raised terminationGracePeriodSeconds")),
+        "{err}"
+    );
+}
+
+/// The hooks of CONTRACT section 7: every app container runs `lameduck prestop` first, then
+/// its own exec or sleep preStop action (an httpGet one cannot be chained: kept, with a note),
+/// and `lameduck poststart` likewise; the binary comes from the shared volume, mounted
+/// read-only.
+#[test]
+fn app_containers_get_the_drain_hooks_chained_with_their_own() {
+    use serde::Deserialize;
+    let (out, err) = golden(
+        &dir().join("hooks.yaml"),
+        &[],
+        &dir().join("hooks.out.yaml"),
+    );
+    let docs: Vec<serde_norway::Value> = serde_norway::Deserializer::from_str(&out)
+        .map(|document| serde_norway::Value::deserialize(document).unwrap())
+        .collect();
+    let spec = &docs[0]["spec"]["template"]["spec"];
+    let command = |container: usize, event: &str| -> Vec<String> {
+        spec["containers"][container]["lifecycle"][event]["exec"]["command"]
+            .as_sequence()
+            .map(|args| {
+                args.iter()
+                    .map(|arg| arg.as_str().unwrap().to_string())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    assert_eq!(
+        command(0, "preStop"),
+        [
+            "/lameduck/lameduck",
+            "prestop",
+            "--",
+            "/bin/sh",
+            "-c",
+            "nginx -s quit; sleep 1"
+        ]
+    );
+    assert_eq!(
+        command(0, "postStart"),
+        [
+            "/lameduck/lameduck",
+            "poststart",
+            "--",
+            "/bin/sh",
+            "-c",
+            "echo started > /tmp/started"
+        ]
+    );
+    assert_eq!(
+        command(1, "preStop"),
+        ["/lameduck/lameduck", "prestop", "--sleep", "10s"]
+    );
+    assert_eq!(command(1, "postStart"), ["/lameduck/lameduck", "poststart"]);
+    assert_eq!(
+        spec["containers"][2]["lifecycle"]["preStop"]["httpGet"]["path"],
+        "/drain"
+    );
+    assert!(command(2, "preStop").is_empty());
+    assert_eq!(command(2, "postStart"), ["/lameduck/lameduck", "poststart"]);
+    assert!(
+        err.contains("container http-hook has a httpGet preStop hook")
+            && err.contains("make it an exec hook"),
+        "{err}"
+    );
+    for index in 0..3 {
+        let mounts = spec["containers"][index]["volumeMounts"]
+            .as_sequence()
+            .unwrap();
+        assert!(
+            mounts.iter().any(|mount| mount["name"] == "lameduck-bin"
+                && mount["mountPath"] == "/lameduck"
+                && mount["readOnly"] == true),
+            "container {index}: {mounts:?}"
+        );
+    }
+    let init = spec["initContainers"].as_sequence().unwrap();
+    assert_eq!(init[0]["name"], "lameduck-install", "the binary first");
+    assert_eq!(init[1]["name"], "lameduck-proxy");
+    assert_eq!(
+        proxy_env(&out, "LAMEDUCK_DRAIN_SOCKET").as_deref(),
+        Some("/lameduck/drain.sock")
+    );
+    // A Job serves no inbound traffic: no lame duck that would hold up its completion.
+    let job = out.split("\n---\n").nth(1).unwrap();
+    assert_eq!(proxy_env(job, "LAMEDUCK_LAME_DUCK_PERIOD"), None);
+    assert_eq!(
+        proxy_env(&out, "LAMEDUCK_LAME_DUCK_PERIOD").as_deref(),
+        Some("5s"),
+        "the default that covers endpoint propagation"
+    );
+}
+
+/// `terminationGracePeriodSeconds` covers the inbound drain (the proxy's grace period, lame
+/// duck included), then the app's own budget from before injection, then the margin; it is
+/// never lowered, and inject says on stderr when it raised it.
+#[test]
+fn the_pod_budget_covers_the_drain_then_the_apps_own_shutdown() {
+    use lameduck::inject::{GRACE_MARGIN_SECONDS, pod_budget};
+    assert_eq!(pod_budget(Duration::from_secs(25), 30), 60);
+    assert_eq!(
+        pod_budget(Duration::from_millis(1500), 10),
+        2 + 10 + GRACE_MARGIN_SECONDS
+    );
+    let cases = [
+        // (pod budget before, grace annotation, budget after, proxy grace period)
+        (None, None, 60, "25s"),
+        (Some(30), Some("90s"), 125, "90s"),
+        (Some(600), Some("10s"), 615, "10s"),
+        (Some(4), None, 11, "2s"),
+        (Some(0), None, 5, "0s"),
+    ];
+    for (before, annotation, after, grace) in cases {
+        let mut pod = String::from("apiVersion: v1\nkind: Pod\nmetadata:\n  name: p\n");
+        if let Some(annotation) = annotation {
+            pod.push_str(&format!(
+                "  annotations:\n    lameduck.io/shutdown-grace-period: {annotation}\n"
+            ));
+        }
+        pod.push_str("spec:\n");
+        if let Some(before) = before {
+            pod.push_str(&format!("  terminationGracePeriodSeconds: {before}\n"));
+        }
+        pod.push_str("  containers:\n  - name: app\n    image: app:1\n");
+        let (code, out, err) = inject(&pod, &[]);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            out.contains(&format!("terminationGracePeriodSeconds: {after}\n")),
+            "{before:?} {annotation:?}: {out}"
+        );
+        assert_eq!(
+            proxy_env(&out, "LAMEDUCK_SHUTDOWN_GRACE_PERIOD").as_deref(),
+            Some(grace)
+        );
+        let lame_duck = proxy_env(&out, "LAMEDUCK_LAME_DUCK_PERIOD").unwrap();
+        let lame_duck = humantime::parse_duration(&lame_duck).unwrap();
+        assert!(lame_duck <= humantime::parse_duration(grace).unwrap());
+        assert!(
+            err.contains(&format!(
+                "raised terminationGracePeriodSeconds from {} to {after}",
+                before.unwrap_or(30)
+            )),
+            "{err}"
+        );
+    }
 }
 
 #[test]

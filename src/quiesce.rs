@@ -1,0 +1,305 @@
+//! The inbound side's quiesce, and its return to service (CONTRACT section 7).
+//!
+//! In a pod, a native sidecar is signalled only after every app container has exited, so the
+//! proxy's own shutdown comes too late to protect the app's inbound traffic. The app
+//! containers' `preStop` hooks (`lameduck prestop`, see [`crate::hook`]) ask the proxy instead,
+//! before the kubelet signals the app, to quiesce its **inbound** side: `/ready` 503, the
+//! lame-duck period (still accepting, every inbound HTTP connection asked to go away), then the
+//! inbound listeners close and inbound connections drain, bounded by the grace period (the
+//! rest reset). The hook returns when that is done. The outbound side is not touched: the app
+//! still calls out while it shuts down.
+//!
+//! A `preStop` hook also runs before the kubelet restarts a container (a failed liveness
+//! probe), and then no SIGTERM follows: the app container's `postStart` hook (`lameduck
+//! poststart`) asks the proxy to [`resume`](InboundControl::resume), which binds the inbound
+//! listeners again on a fresh inbound [`Side`](crate::drain::Side).
+//!
+//! The requests arrive on a Unix socket in the pod's shared `emptyDir` ([`serve`]), not on the
+//! admin port: nothing outside the pod can reach it, and an app's server-side request forgery
+//! (which makes the app send HTTP to an address of the attacker's choice) cannot either.
+//!
+//! The protocol is one line from the client (`quiesce` or `resume`), then lines from the
+//! proxy: progress, and a last line that starts with `ok ` or `error `.
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::config::Direction;
+use crate::conns::Connections;
+use crate::drain::{Drain, Side};
+use crate::listener::{self, RouteHandle, Shared};
+
+/// How long a client may take to send its one-line request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long reset connections get to finish their tasks after the grace period.
+const RESET_WAIT: Duration = Duration::from_secs(1);
+/// The longest request line accepted.
+const MAX_REQUEST: usize = 64;
+
+/// How a quiesce ended.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// From the request to the end of the inbound drain.
+    pub elapsed: Duration,
+    /// Inbound connections reset when the grace period ran out (0: drained).
+    pub reset: usize,
+}
+
+impl Outcome {
+    fn line(&self) -> String {
+        let ms = self.elapsed.as_millis();
+        match self.reset {
+            0 => format!("ok inbound drained in {ms} ms\n"),
+            reset => format!(
+                "ok grace period ran out after {ms} ms: reset {reset} inbound connections\n"
+            ),
+        }
+    }
+}
+
+enum State {
+    Serving,
+    /// Quiesced (or quiescing): the receiver gives the outcome once the drain has ended.
+    Quiesced(watch::Receiver<Option<Outcome>>),
+}
+
+/// Quiesces and resumes the inbound side.
+pub struct InboundControl {
+    drain: Arc<Drain>,
+    conns: Arc<Connections>,
+    shared: Arc<Shared>,
+    /// Every inbound route, with its real listen address, to bind again on resume.
+    routes: Vec<Arc<RouteHandle>>,
+    lame_duck: Duration,
+    grace: Duration,
+    state: tokio::sync::Mutex<State>,
+}
+
+impl InboundControl {
+    pub fn new(
+        drain: Arc<Drain>,
+        conns: Arc<Connections>,
+        shared: Arc<Shared>,
+        routes: Vec<Arc<RouteHandle>>,
+        lame_duck: Duration,
+        grace: Duration,
+    ) -> InboundControl {
+        InboundControl {
+            drain,
+            conns,
+            shared,
+            routes,
+            lame_duck,
+            grace,
+            state: tokio::sync::Mutex::new(State::Serving),
+        }
+    }
+
+    /// Starts the quiesce unless it has started already; the receiver yields its outcome.
+    pub async fn quiesce(self: &Arc<Self>) -> watch::Receiver<Option<Outcome>> {
+        let mut state = self.state.lock().await;
+        if let State::Quiesced(outcome) = &*state {
+            return outcome.clone();
+        }
+        let (sender, receiver) = watch::channel(None);
+        *state = State::Quiesced(receiver.clone());
+        self.drain.set_inbound_quiesced(true);
+        let side = self.drain.side(Direction::Inbound);
+        let control = self.clone();
+        tokio::spawn(async move {
+            let outcome = control.run(&side).await;
+            match outcome.reset {
+                0 => info!(
+                    elapsed_ms = outcome.elapsed.as_millis() as u64,
+                    "inbound side drained"
+                ),
+                reset => warn!(
+                    elapsed_ms = outcome.elapsed.as_millis() as u64,
+                    reset, "inbound quiesce: the grace period ran out; reset the rest"
+                ),
+            }
+            let _ = sender.send(Some(outcome));
+        });
+        receiver
+    }
+
+    /// Lame duck, close the inbound listeners, drain; reset what is left at the grace period.
+    async fn run(&self, side: &Side) -> Outcome {
+        let started = Instant::now();
+        let deadline = started + self.grace;
+        let shutting_down = self.drain.reason().is_some();
+        info!(
+            lame_duck_period = %humantime::format_duration(self.lame_duck),
+            grace_period = %humantime::format_duration(self.grace),
+            inbound_connections = self.inbound_open(),
+            "inbound quiesce: /ready 503, asking inbound connections to go away"
+        );
+        side.go_away.cancel();
+        let drained = tokio::time::timeout_at(deadline.into(), async {
+            if shutting_down {
+                // The shutdown's own sequence runs the lame duck and closes the listeners.
+                side.draining.cancelled().await;
+            } else {
+                tokio::time::sleep(self.lame_duck).await;
+                side.close().await;
+                info!("inbound quiesce: inbound listeners closed, draining");
+            }
+            side.tracker.close();
+            side.tracker.wait().await;
+        })
+        .await;
+        let mut reset = 0;
+        if drained.is_err() {
+            reset = self.inbound_open();
+            side.go_away.cancel();
+            side.close_listeners.cancel();
+            side.draining.cancel();
+            side.terminate.cancel();
+            let _ = tokio::time::timeout(RESET_WAIT, side.tracker.wait()).await;
+        }
+        Outcome {
+            elapsed: started.elapsed(),
+            reset,
+        }
+    }
+
+    fn inbound_open(&self) -> usize {
+        self.conns
+            .snapshot()
+            .iter()
+            .filter(|conn| conn.direction() == Direction::Inbound)
+            .count()
+    }
+
+    /// Serves inbound again after a quiesce (the app container restarted): waits for the
+    /// quiesce to end, binds the inbound listeners anew, `/ready` 200 again.
+    pub async fn resume(&self) -> Result<&'static str, String> {
+        let mut state = self.state.lock().await;
+        let State::Quiesced(outcome) = &mut *state else {
+            return Ok("inbound side already serving");
+        };
+        if self.drain.reason().is_some() {
+            return Err("the proxy is shutting down".into());
+        }
+        let _ = outcome.wait_for(Option::is_some).await;
+        let mut bound = Vec::with_capacity(self.routes.len());
+        for handle in &self.routes {
+            let listen = handle.route.listen;
+            let listener = listener::bind(listen)
+                .map_err(|error| format!("cannot bind the inbound listener {listen}: {error}"))?;
+            bound.push((handle.clone(), listener));
+        }
+        if self.drain.reason().is_some() {
+            return Err("the proxy is shutting down".into());
+        }
+        let (side, _) = self.drain.renew_inbound();
+        for (handle, listener) in bound {
+            side.accepting.spawn(listener::accept_loop(
+                listener,
+                handle,
+                self.shared.clone(),
+                side.clone(),
+            ));
+        }
+        *state = State::Serving;
+        self.drain.set_inbound_quiesced(false);
+        info!("inbound side serving again");
+        Ok("inbound side serving again")
+    }
+}
+
+/// Binds the control socket at `path`: a stale socket left by an earlier run is replaced; any
+/// other file there is an error. Any user may connect (the app containers run as users of
+/// their own); only containers that mount the volume can see it.
+pub fn bind(path: &Path) -> io::Result<UnixListener> {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path)?,
+        Ok(_) => {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                "a file that is not a socket is in the way",
+            ));
+        }
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+        Err(error) => return Err(error),
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+    Ok(listener)
+}
+
+/// Answers requests on the control socket until the process exits.
+pub async fn serve(listener: UnixListener, path: PathBuf, control: Arc<InboundControl>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                tokio::spawn(answer(stream, control.clone()));
+            }
+            Err(error) => {
+                warn!(path = %path.display(), %error, "control socket: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn answer(stream: UnixStream, control: Arc<InboundControl>) {
+    let who = match stream.peer_cred() {
+        Ok(cred) => format!(
+            "uid {} pid {}",
+            cred.uid(),
+            cred.pid().map_or("?".into(), |pid| pid.to_string())
+        ),
+        Err(_) => "an unknown peer".into(),
+    };
+    let (read, mut write) = stream.into_split();
+    let mut line = String::new();
+    let mut reader = BufReader::new(read).take(MAX_REQUEST as u64);
+    let request = tokio::time::timeout(REQUEST_TIMEOUT, reader.read_line(&mut line)).await;
+    let reply = match request {
+        Ok(Ok(_)) => match line.trim() {
+            "quiesce" => {
+                info!(from = %who, "inbound quiesce requested (preStop)");
+                let mut outcome = control.quiesce().await;
+                let _ = write
+                    .write_all(
+                        format!(
+                            "quiescing inbound: lame duck {}, grace period {}, {} inbound connections open\n",
+                            humantime::format_duration(control.lame_duck),
+                            humantime::format_duration(control.grace),
+                            control.inbound_open()
+                        )
+                        .as_bytes(),
+                    )
+                    .await;
+                match outcome.wait_for(Option::is_some).await {
+                    Ok(done) => done.as_ref().map_or_else(String::new, Outcome::line),
+                    Err(_) => "error the quiesce ended without an outcome\n".into(),
+                }
+            }
+            "resume" => {
+                info!(from = %who, "inbound resume requested (postStart)");
+                match control.resume().await {
+                    Ok(what) => format!("ok {what}\n"),
+                    Err(error) => {
+                        warn!(%error, "inbound resume refused");
+                        format!("error {error}\n")
+                    }
+                }
+            }
+            other => format!("error unknown request {other:?}; expected quiesce or resume\n"),
+        },
+        Ok(Err(error)) => format!("error cannot read the request: {error}\n"),
+        Err(_) => "error no request within 5 s\n".into(),
+    };
+    let _ = write.write_all(reply.as_bytes()).await;
+    let _ = write.shutdown().await;
+}

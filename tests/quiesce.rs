@@ -1,0 +1,421 @@
+//! The inbound quiesce that an app container's `preStop` hook asks for (CONTRACT section 7),
+//! on the real binary: `lameduck prestop` and `lameduck poststart` against a running proxy
+//! over its control socket.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use support::backend::{Backend, get, read_response, send_raw};
+use support::{
+    Attempt, BIN, EchoServer, PATIENCE, Proxy, echo_connect, try_connect, wait_child, wait_until,
+};
+
+/// A folder standing in for the pod's shared `emptyDir` (mode 0777, as the kubelet makes it),
+/// and the control socket's path in it.
+fn shared_dir(test: &str) -> (PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!("lameduck-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let socket = dir.join("drain.sock").display().to_string();
+    (dir, socket)
+}
+
+/// Starts `lameduck HOOK --socket SOCKET ARGS…` with its output piped.
+fn spawn_hook(hook: &str, socket: &str, args: &[&str]) -> Child {
+    Command::new(BIN)
+        .args([hook, "--socket", socket])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for a hook to exit: its status, its output, how long it ran from `started`.
+fn finish(mut child: Child, started: Instant) -> (ExitStatus, String, Duration) {
+    let status = wait_child(&mut child, PATIENCE * 3);
+    let elapsed = started.elapsed();
+    let mut out = String::new();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    (status, out, elapsed)
+}
+
+fn run_hook(hook: &str, socket: &str, args: &[&str]) -> (ExitStatus, String, Duration) {
+    let started = Instant::now();
+    finish(spawn_hook(hook, socket, args), started)
+}
+
+fn keep_alive_get(stream: &mut std::net::TcpStream, path: &str) -> support::backend::WireResponse {
+    stream.write_all(&get(path)).unwrap();
+    read_response(stream).expect("a response through the proxy")
+}
+
+#[test]
+fn prestop_returns_once_inbound_has_drained_and_leaves_outbound_open() {
+    let backend = Backend::start();
+    let (_dir, socket) = shared_dir("drain");
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &backend.route("127.0.0.1:0"),
+        "--outbound",
+        &backend.route("127.0.0.1:0"),
+        "--drain-socket",
+        &socket,
+        "--lame-duck-period",
+        "1s",
+    ]);
+    let (inbound, outbound) = (proxy.inbound[0], proxy.outbound[0]);
+    let mut idle_in = send_raw(inbound, &get("/"));
+    assert_eq!(read_response(&mut idle_in).unwrap().status, 200);
+    let mut idle_out = send_raw(outbound, &get("/"));
+    assert_eq!(read_response(&mut idle_out).unwrap().status, 200);
+    // A request in flight when the pod is deleted.
+    let mut in_flight = send_raw(inbound, &get("/delay?ms=2500"));
+
+    let started = Instant::now();
+    let mut hook = spawn_hook("prestop", &socket, &[]);
+    wait_until("/ready answers 503", PATIENCE, || {
+        proxy.get("/ready").status == 503
+    });
+    assert_eq!(proxy.get("/live").status, 200);
+
+    // Lame duck: inbound still accepts, and every inbound HTTP connection is asked to go away.
+    let again = keep_alive_get(&mut idle_in, "/");
+    assert_eq!(again.header("connection"), Some("close"), "{again:?}");
+    let mut fresh_in = send_raw(inbound, &get("/"));
+    let fresh = read_response(&mut fresh_in).unwrap();
+    assert_eq!(
+        (fresh.status, fresh.header("connection")),
+        (200, Some("close"))
+    );
+    // The outbound side is untouched: no connection: close, new connections accepted.
+    let out = keep_alive_get(&mut idle_out, "/");
+    assert_eq!((out.status, out.header("connection")), (200, None));
+    let mut fresh_out = send_raw(outbound, &get("/"));
+    let fresh = read_response(&mut fresh_out).unwrap();
+    assert_eq!((fresh.status, fresh.header("connection")), (200, None));
+
+    // The hook waits for the request in flight, which completes and closes its connection.
+    assert!(
+        hook.try_wait().unwrap().is_none(),
+        "prestop returned while an inbound request was in flight"
+    );
+    let done = read_response(&mut in_flight).unwrap();
+    assert_eq!(
+        (done.status, done.header("connection")),
+        (200, Some("close"))
+    );
+    let (status, out, elapsed) = finish(hook, started);
+    assert!(status.success(), "{out}");
+    assert!(out.contains("ok inbound drained in"), "{out}");
+    assert!(
+        elapsed >= Duration::from_millis(2400),
+        "returned after {elapsed:?}, before the request in flight had finished"
+    );
+
+    // Quiesced: inbound refused, outbound serving as before.
+    assert_eq!(try_connect(inbound), Attempt::Refused);
+    let out = keep_alive_get(&mut idle_out, "/");
+    assert_eq!((out.status, out.header("connection")), (200, None));
+    assert_eq!(proxy.get("/ready").status, 503);
+    assert!(proxy.is_running());
+
+    // The proxy's own SIGTERM (the app has exited): no second lame duck, out at once.
+    drop((idle_out, fresh_out));
+    let signalled = Instant::now();
+    proxy.signal(libc::SIGTERM);
+    let status = proxy.wait_exit(PATIENCE);
+    assert_eq!(status.code(), Some(0));
+    assert!(
+        signalled.elapsed() < Duration::from_millis(900),
+        "took {:?}: the lame duck ran again",
+        signalled.elapsed()
+    );
+    proxy.logs.wait_for("skipping the lame duck", |line| {
+        line.contains("the inbound side was quiesced already")
+    });
+}
+
+#[test]
+fn the_grace_period_bounds_the_inbound_drain_and_resets_the_rest() {
+    let echo = EchoServer::start();
+    let (_dir, socket) = shared_dir("grace");
+    let proxy = Proxy::start(&[
+        "--inbound",
+        &format!("127.0.0.1:0={}/tcp", echo.addr),
+        "--drain-socket",
+        &socket,
+        "--shutdown-grace-period",
+        "1s",
+    ]);
+    let mut held = echo_connect(proxy.inbound[0]);
+    let (status, out, elapsed) = run_hook("prestop", &socket, &[]);
+    assert!(status.success(), "{out}");
+    assert!(
+        out.contains("grace period ran out") && out.contains("reset 1 inbound connections"),
+        "{out}"
+    );
+    assert!(
+        elapsed >= Duration::from_millis(900) && elapsed < PATIENCE,
+        "{elapsed:?}"
+    );
+    let mut buf = [0u8; 1];
+    let read = held.read(&mut buf);
+    assert!(
+        matches!(read, Ok(0) | Err(_)),
+        "the held connection is closed: {read:?}"
+    );
+}
+
+#[test]
+fn poststart_after_a_container_restart_serves_inbound_again() {
+    let backend = Backend::start();
+    let (_dir, socket) = shared_dir("restart");
+    let proxy = Proxy::start(&[
+        "--inbound",
+        &backend.route("127.0.0.1:0"),
+        "--drain-socket",
+        &socket,
+    ]);
+    let inbound = proxy.inbound[0];
+    // The first start of the app container: nothing to resume.
+    let (status, out, _) = run_hook("poststart", &socket, &[]);
+    assert!(status.success(), "{out}");
+    assert!(out.contains("ok inbound side already serving"), "{out}");
+
+    for round in 0..2 {
+        // The liveness probe failed: preStop, then the kubelet restarts the container.
+        let (status, out, _) = run_hook("prestop", &socket, &[]);
+        assert!(status.success(), "round {round}: {out}");
+        assert_eq!(try_connect(inbound), Attempt::Refused);
+        assert_eq!(proxy.get("/ready").status, 503);
+        let (status, out, _) = run_hook("poststart", &socket, &[]);
+        assert!(status.success(), "round {round}: {out}");
+        assert!(out.contains("ok inbound side serving again"), "{out}");
+        assert_eq!(proxy.get("/ready").status, 200);
+        let mut stream = send_raw(inbound, &get("/after-restart"));
+        let response = read_response(&mut stream).unwrap();
+        assert_eq!(
+            (response.status, response.header("connection")),
+            (200, None),
+            "round {round}"
+        );
+    }
+    assert_eq!(
+        backend
+            .seen_paths()
+            .iter()
+            .filter(|path| *path == "/after-restart")
+            .count(),
+        2
+    );
+}
+
+#[test]
+fn hooks_work_as_any_user_without_capabilities_and_only_through_the_socket() {
+    let backend = Backend::start();
+    let (_dir, socket) = shared_dir("uid");
+    let proxy = Proxy::start(&[
+        "--inbound",
+        &backend.route("127.0.0.1:0"),
+        "--drain-socket",
+        &socket,
+    ]);
+    // Nothing on the admin port starts a drain: no such endpoint, and the shutdown endpoint
+    // is disabled by default.
+    for (method, path) in [
+        ("POST", "/quiesce"),
+        ("POST", "/drain"),
+        ("POST", "/prestop"),
+        ("GET", "/quiesce"),
+        ("POST", "/shutdown"),
+    ] {
+        let response = support::http(proxy.admin, method, path, &[]);
+        assert_eq!(response.status, 404, "{method} {path}");
+        assert_eq!(proxy.get("/ready").status, 200, "{method} {path}");
+    }
+    // Nor anything on the proxy's own ports.
+    let mut stream = send_raw(proxy.inbound[0], b"quiesce\n");
+    stream
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let _ = stream.read(&mut [0u8; 64]);
+    assert_eq!(proxy.get("/ready").status, 200);
+    drop(stream);
+
+    if Command::new("setpriv").arg("--help").output().is_err() {
+        support::skip(
+            "hooks_work_as_any_user_without_capabilities",
+            "no setpriv (util-linux): the hook is not run as another user",
+        );
+        return;
+    }
+    // The app container's user: not the proxy's, no capabilities, nothing inherited.
+    for uid in ["4321", "65534"] {
+        let output = Command::new("setpriv")
+            .args([
+                &format!("--reuid={uid}"),
+                &format!("--regid={uid}"),
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--no-new-privs",
+                BIN,
+                "prestop",
+                "--socket",
+                &socket,
+            ])
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "uid {uid}: {out}{output:?}");
+        assert!(out.contains("ok inbound drained"), "uid {uid}: {out}");
+        assert_eq!(proxy.get("/ready").status, 503);
+        let (status, out, _) = run_hook("poststart", &socket, &[]);
+        assert!(status.success() && out.contains("serving again"), "{out}");
+    }
+    proxy.logs.wait_for("naming the hook's user", |line| {
+        line.contains("inbound quiesce requested") && line.contains("uid 4321")
+    });
+}
+
+#[test]
+fn prestop_runs_the_containers_own_hook_after_the_drain() {
+    let backend = Backend::start();
+    let (dir, socket) = shared_dir("chain");
+    let proxy = Proxy::start(&[
+        "--inbound",
+        &backend.route("127.0.0.1:0"),
+        "--drain-socket",
+        &socket,
+    ]);
+    let (status, out, _) = run_hook(
+        "prestop",
+        &socket,
+        &["--", "sh", "-c", "echo their hook ran; exit 7"],
+    );
+    assert_eq!(status.code(), Some(7), "their status is the hook's: {out}");
+    let drained = out.find("ok inbound drained").expect(&out);
+    let theirs = out.find("their hook ran").expect(&out);
+    assert!(drained < theirs, "ours first, then theirs: {out}");
+
+    // A sleep action becomes --sleep.
+    let (status, out, elapsed) = run_hook("prestop", &socket, &["--sleep", "400ms"]);
+    assert!(status.success(), "{out}");
+    assert!(elapsed >= Duration::from_millis(400), "{elapsed:?}");
+
+    // poststart chains the same way.
+    let (status, out, _) = run_hook("poststart", &socket, &["--", "sh", "-c", "echo started"]);
+    assert!(status.success() && out.contains("started"), "{out}");
+    assert_eq!(proxy.get("/ready").status, 200);
+
+    // No proxy to ask: prestop fails (the kubelet records the event, with this output) but
+    // still runs their hook; poststart never fails (the kubelet would kill the container).
+    let missing = dir.join("nothing-here.sock").display().to_string();
+    let (status, out, _) = run_hook("prestop", &missing, &[]);
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("cannot reach the proxy"), "{out}");
+    let (status, out, _) = run_hook("prestop", &missing, &["--", "true"]);
+    assert!(status.success(), "{out}");
+    let (status, out, _) = run_hook("poststart", &missing, &[]);
+    assert!(status.success(), "{out}");
+    let (status, out, _) = run_hook("prestop", &socket, &["--", "/no/such/program"]);
+    assert_eq!(status.code(), Some(127), "{out}");
+}
+
+#[test]
+fn bad_requests_on_the_control_socket_get_an_error_and_change_nothing() {
+    let backend = Backend::start();
+    let (dir, socket) = shared_dir("bad");
+    let proxy = Proxy::start(&[
+        "--inbound",
+        &backend.route("127.0.0.1:0"),
+        "--drain-socket",
+        &socket,
+    ]);
+    for request in [
+        &b"shutdown\n"[..],
+        b"\xff\xfe\n",
+        &[b'q'; 10_000],
+        b"GET / HTTP/1.1\r\n\r\n",
+    ] {
+        let mut stream = UnixStream::connect(&socket).unwrap();
+        stream.set_read_timeout(Some(PATIENCE)).unwrap();
+        let _ = stream.write_all(request);
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+        let mut answer = String::new();
+        let _ = stream.read_to_string(&mut answer);
+        assert!(answer.starts_with("error "), "{answer:?}");
+        assert_eq!(proxy.get("/ready").status, 200);
+    }
+    // A client that says nothing is let go.
+    let silent = UnixStream::connect(&socket).unwrap();
+    drop(silent);
+    assert_eq!(proxy.get("/ready").status, 200);
+
+    // Configuration: a bad path is a configuration error; a file in the way cannot be bound.
+    let (status, err, _) = support::run_to_exit(&["--drain-socket", ""], &[]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("--drain-socket"), "{err}");
+    let long = format!("/{}", "x".repeat(120));
+    let (status, err, _) = support::run_to_exit(&[], &[("LAMEDUCK_DRAIN_SOCKET", long.as_ref())]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("LAMEDUCK_DRAIN_SOCKET"), "{err}");
+    let in_the_way = dir.join("file");
+    std::fs::write(&in_the_way, "not a socket").unwrap();
+    let (status, err, _) = support::run_to_exit(
+        &[
+            "--inbound",
+            "127.0.0.1:0=127.0.0.1:9",
+            "--admin",
+            "127.0.0.1:0",
+            "--drain-socket",
+            &in_the_way.display().to_string(),
+        ],
+        &[],
+    );
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("control socket"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(&in_the_way).unwrap(),
+        "not a socket"
+    );
+}
+
+/// A stale socket left by an earlier run of the proxy (its container restarted; the
+/// `emptyDir` outlives it) is replaced.
+#[test]
+fn a_stale_socket_is_replaced() {
+    let (_dir, socket) = shared_dir("stale");
+    let stale = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    drop(stale);
+    assert!(Path::new(&socket).exists());
+    let backend = Backend::start();
+    let proxy = Proxy::start(&[
+        "--inbound",
+        &backend.route("127.0.0.1:0"),
+        "--drain-socket",
+        &socket,
+    ]);
+    let (status, out, _) = run_hook("prestop", &socket, &[]);
+    assert!(status.success(), "{out}");
+    assert_eq!(proxy.get("/ready").status, 503);
+}
