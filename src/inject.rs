@@ -54,8 +54,8 @@ pub const PROXY_NAME: &str = "lameduck-proxy";
 pub const GRACE_MARGIN_SECONDS: u64 = 5;
 /// The lame-duck period inject configures when the workload does not choose one: the seconds
 /// in which kube-proxy, ingresses and client-side pools still send new connections to a pod
-/// that is being deleted (Istio's default drain is 5 s too). Jobs serve no inbound traffic
-/// and get none, so that they complete without waiting.
+/// that is being deleted (Istio's default drain is 5 s too); at most half the grace period.
+/// Jobs serve no inbound traffic and get none, so that they complete without waiting.
 pub const DEFAULT_LAME_DUCK: Duration = Duration::from_secs(5);
 /// Kubernetes' default `terminationGracePeriodSeconds`.
 const DEFAULT_POD_GRACE_SECONDS: u64 = 30;
@@ -387,7 +387,8 @@ fn settings<'a>(
             Some(period)
         }
         None if is_job => None,
-        None => Some(DEFAULT_LAME_DUCK.min(grace)),
+        // At most half the grace period, so that the drain after the lame duck has time too.
+        None => Some(DEFAULT_LAME_DUCK.min(grace / 2)),
     };
     let inbound_ports = match get(ANNOTATION_INBOUND_PORTS) {
         Some(value) => {
@@ -588,7 +589,14 @@ fn hook_app_containers(spec: &mut Value, object: &Object, notes: &mut Vec<String
 /// Sets the container's `event` hook to `lameduck COMMAND`, followed by the container's own
 /// exec or sleep action; another kind of action (httpGet) is kept, and its kind returned.
 fn chain_hook(container: &mut Value, event: &str, command: &str) -> Result<(), String> {
-    let mut exec: Vec<Value> = vec![SHARED_BINARY.into(), command.into()];
+    // The socket is named, not left to the command's default, so that the pod spec shows
+    // both ends of the channel: this argument and the proxy's LAMEDUCK_DRAIN_SOCKET.
+    let mut exec: Vec<Value> = vec![
+        SHARED_BINARY.into(),
+        command.into(),
+        "--socket".into(),
+        SHARED_SOCKET.into(),
+    ];
     let existing = container.get("lifecycle").and_then(|l| l.get(event));
     if let Some(existing) = existing {
         if let Some(theirs) = existing

@@ -339,7 +339,8 @@ fn every_workload_kind_as_native_sidecar() {
     );
     assert_eq!(
         out.matches("- prestop\n").count(),
-        out.matches("- poststart\n").count()
+        out.matches("- poststart\n").count(),
+        "every app container gets both hooks"
     );
 }
 
@@ -462,6 +463,8 @@ fn app_containers_get_the_drain_hooks_chained_with_their_own() {
         [
             "/lameduck/lameduck",
             "prestop",
+            "--socket",
+            "/lameduck/drain.sock",
             "--",
             "/bin/sh",
             "-c",
@@ -473,6 +476,8 @@ fn app_containers_get_the_drain_hooks_chained_with_their_own() {
         [
             "/lameduck/lameduck",
             "poststart",
+            "--socket",
+            "/lameduck/drain.sock",
             "--",
             "/bin/sh",
             "-c",
@@ -481,15 +486,30 @@ fn app_containers_get_the_drain_hooks_chained_with_their_own() {
     );
     assert_eq!(
         command(1, "preStop"),
-        ["/lameduck/lameduck", "prestop", "--sleep", "10s"]
+        [
+            "/lameduck/lameduck",
+            "prestop",
+            "--socket",
+            "/lameduck/drain.sock",
+            "--sleep",
+            "10s"
+        ]
     );
-    assert_eq!(command(1, "postStart"), ["/lameduck/lameduck", "poststart"]);
+    let ours = |hook: &str| {
+        [
+            "/lameduck/lameduck".to_string(),
+            hook.to_string(),
+            "--socket".to_string(),
+            "/lameduck/drain.sock".to_string(),
+        ]
+    };
+    assert_eq!(command(1, "postStart"), ours("poststart"));
     assert_eq!(
         spec["containers"][2]["lifecycle"]["preStop"]["httpGet"]["path"],
         "/drain"
     );
     assert!(command(2, "preStop").is_empty());
-    assert_eq!(command(2, "postStart"), ["/lameduck/lameduck", "poststart"]);
+    assert_eq!(command(2, "postStart"), ours("poststart"));
     assert!(
         err.contains("container http-hook has a httpGet preStop hook")
             && err.contains("make it an exec hook"),
@@ -566,7 +586,11 @@ fn the_pod_budget_covers_the_drain_then_the_apps_own_shutdown() {
         );
         let lame_duck = proxy_env(&out, "LAMEDUCK_LAME_DUCK_PERIOD").unwrap();
         let lame_duck = humantime::parse_duration(&lame_duck).unwrap();
-        assert!(lame_duck <= humantime::parse_duration(grace).unwrap());
+        let grace = humantime::parse_duration(grace).unwrap();
+        assert!(
+            lame_duck <= grace / 2 && lame_duck <= Duration::from_secs(5),
+            "{lame_duck:?} of {grace:?}: the drain after the lame duck gets half at least"
+        );
         assert!(
             err.contains(&format!(
                 "raised terminationGracePeriodSeconds from {} to {after}",

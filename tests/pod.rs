@@ -1,0 +1,422 @@
+//! A pod goes away and no request is lost (CONTRACT section 7), end to end: the pod template
+//! that `lameduck inject` writes is started and deleted the kubelet's way by real processes
+//! (see `pod/kubelet.rs`), under load through the inbound port, while the app calls an
+//! upstream through the outbound route for every request.
+//!
+//! The load: keep-alive clients that keep their connections until the proxy asks them to go
+//! away, and clients that open a new connection per request; both keep coming for two seconds
+//! after the deletion (endpoints leave kube-proxy, ingresses and client pools slowly), then
+//! only requests on connections already open are sent. A request fails when its client gets
+//! anything but a 200, a refused connection while the pod was still an endpoint, or a
+//! connection closed under it after the app saw it. A keep-alive connection closed before
+//! any byte of a response, for a request the app never saw, is what every HTTP client retries
+//! on a new connection: counted as retried, not failed.
+
+#[path = "pod/kubelet.rs"]
+mod kubelet;
+mod support;
+
+use std::collections::{HashMap, HashSet};
+use std::io::{ErrorKind, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kubelet::{Deletion, Image, Pod, http_status};
+use serde::Deserialize;
+use support::BIN;
+use support::backend::{Backend, read_response};
+
+const INBOUND: u16 = 4143;
+/// How long new connections keep coming after the deletion.
+const ENDPOINT_PROPAGATION: Duration = Duration::from_secs(2);
+const KEEP_ALIVE_CLIENTS: usize = 6;
+const NEW_CONNECTION_CLIENTS: usize = 3;
+
+fn here() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The injected pod spec of `tests/pod/deployment.yaml` with the app image `testapp:MODE`.
+fn injected_pod_spec(mode: &str, native: bool) -> serde_json::Value {
+    let input = std::fs::read_to_string(here().join("tests/pod/deployment.yaml"))
+        .unwrap()
+        .replace("testapp:MODE", &format!("testapp:{mode}"));
+    let mut inject = Command::new(BIN);
+    inject.arg("inject");
+    if !native {
+        inject.arg("--native-sidecar=false");
+    }
+    let mut child = inject
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let yaml = String::from_utf8(output.stdout).unwrap();
+    let document =
+        serde_norway::Value::deserialize(serde_norway::Deserializer::from_str(&yaml)).unwrap();
+    serde_json::to_value(document).unwrap()["spec"]["template"]["spec"].clone()
+}
+
+fn images() -> HashMap<String, Image> {
+    let app = here().join("tests/pod/app.py").display().to_string();
+    let mut images = HashMap::new();
+    images.insert(
+        lameduck::inject::DEFAULT_IMAGE.to_string(),
+        Image {
+            entrypoint: vec!["/usr/local/bin/lameduck".into()],
+            files: vec![("/usr/local/bin/lameduck".into(), BIN.into())],
+        },
+    );
+    for mode in ["graceful", "immediate"] {
+        images.insert(
+            format!("testapp:{mode}"),
+            Image {
+                entrypoint: vec!["python3".into(), app.clone(), mode.into()],
+                files: Vec::new(),
+            },
+        );
+    }
+    images
+}
+
+/// A pod ready to serve, its upstream, or why it cannot run here.
+fn running_pod(tag: &str, mode: &str, native: bool) -> Result<(Pod, Backend), &'static str> {
+    if Command::new("python3").arg("--version").output().is_err() {
+        return Err("no python3 for the test app");
+    }
+    let mut pod = Pod::new(tag, injected_pod_spec(mode, native), images())?;
+    // The upstream the app calls, outside the pod in a real cluster; here in its network
+    // namespace on a port of its own. The outbound route to it is the test's one addition to
+    // what inject wrote, as an operator would add it.
+    let upstream = pod.netns.run(Backend::start);
+    pod.add_env(
+        "lameduck-proxy",
+        "LAMEDUCK_OUTBOUND",
+        &format!("127.0.0.1:4140={}", upstream.addr),
+    );
+    pod.start();
+    let ready = pod.netns.run(|| {
+        let deadline = Instant::now() + support::PATIENCE;
+        while Instant::now() < deadline {
+            if http_status(INBOUND, "/work?id=ready") == Some(200) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    });
+    assert!(ready, "the pod never served:\n{}", pod.timeline.text());
+    Ok((pod, upstream))
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    ok: usize,
+    ok_after_deletion: usize,
+    new_connections_after_deletion: usize,
+    retried: usize,
+    failed: Vec<String>,
+    /// Ids of the requests whose client got a response.
+    answered: HashSet<u64>,
+    /// Ids of the retried requests (closed before any byte of a response).
+    retried_ids: HashSet<u64>,
+}
+
+/// Clients inside the pod's network namespace, like the peers of a real pod.
+struct Load {
+    stop: Arc<AtomicBool>,
+    deleted_at: Arc<Mutex<Option<Instant>>>,
+    tally: Arc<Mutex<Tally>>,
+    clients: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(pod: &Pod) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let deleted_at = Arc::new(Mutex::new(None));
+        let tally = Arc::new(Mutex::new(Tally::default()));
+        let ids = Arc::new(AtomicU64::new(1));
+        let mut clients = Vec::new();
+        for index in 0..KEEP_ALIVE_CLIENTS + NEW_CONNECTION_CLIENTS {
+            let keep_alive = index < KEEP_ALIVE_CLIENTS;
+            let (stop, deleted_at, tally, ids) =
+                (stop.clone(), deleted_at.clone(), tally.clone(), ids.clone());
+            clients.push(pod.netns.spawn(move || {
+                client(keep_alive, &stop, &deleted_at, &tally, &ids);
+            }));
+        }
+        Load {
+            stop,
+            deleted_at,
+            tally,
+            clients,
+        }
+    }
+
+    fn deleted(&self) {
+        *self.deleted_at.lock().unwrap() = Some(Instant::now());
+    }
+
+    fn finish(self) -> Tally {
+        self.stop.store(true, Ordering::SeqCst);
+        for client in self.clients {
+            client.join().unwrap();
+        }
+        Arc::try_unwrap(self.tally).unwrap().into_inner().unwrap()
+    }
+}
+
+fn client(
+    keep_alive: bool,
+    stop: &AtomicBool,
+    deleted_at: &Mutex<Option<Instant>>,
+    tally: &Mutex<Tally>,
+    ids: &AtomicU64,
+) {
+    let addr = SocketAddr::from(([127, 0, 0, 1], INBOUND));
+    let mut connection: Option<(TcpStream, bool)> = None;
+    while !stop.load(Ordering::SeqCst) {
+        let deleted = *deleted_at.lock().unwrap();
+        let still_an_endpoint = deleted.is_none_or(|at| at.elapsed() < ENDPOINT_PROPAGATION);
+        if connection.is_none() {
+            if !still_an_endpoint {
+                // The endpoint is gone: this client goes to other pods now.
+                break;
+            }
+            match TcpStream::connect(addr) {
+                Ok(stream) => {
+                    stream
+                        .set_read_timeout(Some(Duration::from_secs(30)))
+                        .unwrap();
+                    if deleted.is_some() {
+                        tally.lock().unwrap().new_connections_after_deletion += 1;
+                    }
+                    connection = Some((stream, false));
+                }
+                Err(error) => {
+                    tally
+                        .lock()
+                        .unwrap()
+                        .failed
+                        .push(format!("connect while still an endpoint: {error}"));
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+            }
+        }
+        let (stream, reused) = connection.as_mut().unwrap();
+        let id = ids.fetch_add(1, Ordering::SeqCst);
+        let close = if keep_alive {
+            ""
+        } else {
+            "Connection: close\r\n"
+        };
+        let request = format!("GET /work?id={id} HTTP/1.1\r\nHost: shop\r\n{close}\r\n");
+        let sent = stream.write_all(request.as_bytes());
+        let response = sent.and_then(|()| read_response(stream));
+        let mut tally = tally.lock().unwrap();
+        match response {
+            Ok(response) if response.status == 200 => {
+                tally.ok += 1;
+                tally.answered.insert(id);
+                if deleted.is_some() {
+                    tally.ok_after_deletion += 1;
+                }
+                let closing = response.header("connection") == Some("close");
+                if closing || !keep_alive {
+                    connection = None;
+                } else {
+                    *reused = true;
+                }
+            }
+            Ok(response) => {
+                tally.failed.push(format!(
+                    "id {id}: {} {}",
+                    response.status,
+                    String::from_utf8_lossy(&response.body).trim()
+                ));
+                connection = None;
+            }
+            Err(error)
+                if *reused
+                    && matches!(
+                        error.kind(),
+                        ErrorKind::ConnectionAborted
+                            | ErrorKind::ConnectionReset
+                            | ErrorKind::BrokenPipe
+                    ) =>
+            {
+                tally.retried += 1;
+                tally.retried_ids.insert(id);
+                connection = None;
+            }
+            Err(error) => {
+                tally.failed.push(format!("id {id}: {error}"));
+                connection = None;
+            }
+        }
+    }
+}
+
+/// The ids of the requests the upstream saw, from its record (`/upstream?id=N`).
+fn upstream_ids(upstream: &Backend) -> HashSet<u64> {
+    upstream
+        .seen()
+        .iter()
+        .filter_map(|seen| seen.uri.split("id=").nth(1)?.parse().ok())
+        .collect()
+}
+
+/// Runs the load across a deletion, and checks what CONTRACT section 7 promises.
+fn delete_under_load(tag: &str, mode: &str) {
+    let (mut pod, upstream) = match running_pod(tag, mode, true) {
+        Ok(running) => running,
+        Err(why) => return support::skip(tag, why),
+    };
+    let load = Load::start(&pod);
+    std::thread::sleep(Duration::from_secs(1));
+    load.deleted();
+    let deletion = pod.delete();
+    let tally = load.finish();
+    let timeline = pod.timeline.text();
+    let report = report(&tally, &deletion);
+    eprintln!("{tag}: {report}\n{timeline}");
+
+    assert!(
+        tally.failed.is_empty(),
+        "{tag}: failed requests (the first 10 of {}): {:?}\n{report}\n{timeline}",
+        tally.failed.len(),
+        &tally.failed[..tally.failed.len().min(10)]
+    );
+    let unanswered: Vec<_> = upstream_ids(&upstream)
+        .into_iter()
+        .filter(|id| !tally.answered.contains(id))
+        .collect();
+    assert!(
+        unanswered.is_empty(),
+        "{tag}: the app served requests whose client got no response: {unanswered:?}"
+    );
+    assert!(
+        tally.ok_after_deletion > 0 && tally.new_connections_after_deletion > 0,
+        "{tag}: the load did not go on after the deletion: {report}"
+    );
+    assert!(
+        deletion.killed.is_empty(),
+        "{tag}: SIGKILLed: {report}\n{timeline}"
+    );
+    // The hook waited for the inbound drain and said so; the app was signalled after it.
+    let (_, hook_took, hook_code) = deletion.hooks.first().expect("the app's preStop hook ran");
+    assert_eq!(*hook_code, Some(0), "{tag}: {timeline}");
+    assert!(timeline.contains("ok inbound drained"), "{tag}: {timeline}");
+    let prestop_ended = pod.timeline.when("preStop hook of app ended").unwrap();
+    let app_signalled = pod.timeline.when("SIGTERM to app").unwrap();
+    assert!(prestop_ended <= app_signalled);
+    assert!(
+        *hook_took >= Duration::from_secs(2),
+        "{tag}: the hook returned after {hook_took:?}, within the lame-duck period"
+    );
+    // The proxy was signalled last, and went at once; everything exited cleanly.
+    let order: Vec<&str> = deletion
+        .exits
+        .iter()
+        .map(|(name, _, _)| name.as_str())
+        .collect();
+    assert_eq!(order, ["app", "lameduck-proxy"], "{tag}");
+    for (name, _, status) in &deletion.exits {
+        assert_eq!(status.code(), Some(0), "{tag}: {name}: {timeline}");
+    }
+    let proxy_signalled = pod.timeline.when("SIGTERM to lameduck-proxy").unwrap();
+    let proxy_exited = pod
+        .timeline
+        .when("container lameduck-proxy exited")
+        .unwrap();
+    assert!(
+        proxy_exited - proxy_signalled < Duration::from_secs(1),
+        "{tag}: the proxy took {:?} after its SIGTERM",
+        proxy_exited - proxy_signalled
+    );
+    if mode == "graceful" {
+        // Its last call went through the outbound route during its own shutdown.
+        assert!(
+            upstream.seen().iter().any(|seen| seen.path == "/flush"),
+            "{tag}: {timeline}"
+        );
+    }
+}
+
+fn report(tally: &Tally, deletion: &Deletion) -> String {
+    format!(
+        "{} requests answered ({} after the deletion, {} new connections after it), {} retried \
+         on a new connection, {} failed; preStop hook {:?}; exits {:?}; deletion took {:?}",
+        tally.ok,
+        tally.ok_after_deletion,
+        tally.new_connections_after_deletion,
+        tally.retried,
+        tally.failed.len(),
+        deletion.hooks,
+        deletion
+            .exits
+            .iter()
+            .map(|(name, at, status)| format!("{name} at {at:?} ({status})"))
+            .collect::<Vec<_>>(),
+        deletion.took
+    )
+}
+
+#[test]
+fn deleting_a_pod_under_load_loses_no_request_with_a_graceful_app() {
+    delete_under_load("graceful", "graceful");
+}
+
+#[test]
+fn deleting_a_pod_under_load_loses_no_request_with_an_app_that_exits_at_once() {
+    delete_under_load("immediate", "immediate");
+}
+
+/// A preStop hook also runs before the kubelet restarts a container whose liveness probe
+/// failed; no SIGTERM reaches the proxy then, and inbound must serve again once the app is
+/// back (its postStart hook).
+#[test]
+fn a_restarted_app_container_is_served_again() {
+    let (mut pod, upstream) = match running_pod("restart", "graceful", true) {
+        Ok(running) => running,
+        Err(why) => return support::skip("a_restarted_app_container_is_served_again", why),
+    };
+    for round in 1..=2 {
+        let code = pod.restart("app");
+        assert_eq!(code, Some(0), "round {round}:\n{}", pod.timeline.text());
+        let served = pod.netns.run(move || {
+            let deadline = Instant::now() + support::PATIENCE;
+            while Instant::now() < deadline {
+                if http_status(INBOUND, &format!("/work?id={}", 1_000_000 + round)) == Some(200)
+                    && http_status(4191, "/ready") == Some(200)
+                {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            false
+        });
+        assert!(
+            served,
+            "round {round}: not served again:\n{}",
+            pod.timeline.text()
+        );
+    }
+    assert!(upstream_ids(&upstream).contains(&1_000_002));
+    let deletion = pod.delete();
+    assert!(deletion.killed.is_empty(), "{}", pod.timeline.text());
+}

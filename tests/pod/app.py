@@ -1,0 +1,75 @@
+"""The app of the pod test: an HTTP/1.1 server on 127.0.0.1:8080 that calls an upstream through
+the proxy's outbound route (127.0.0.1:4140) for every request, as a real service calls others.
+
+  app.py graceful   on SIGTERM: close the listener, finish what it has, make one last call
+                    through the outbound route (a flush, a deregistration), exit 0 (3 if that
+                    call failed)
+  app.py immediate  on SIGTERM: exit at once
+"""
+
+import http.client
+import http.server
+import os
+import signal
+import sys
+import threading
+
+MODE = sys.argv[1]
+OUTBOUND = ("127.0.0.1", 4140)
+
+
+def call_upstream(path):
+    conn = http.client.HTTPConnection(*OUTBOUND, timeout=5)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except OSError as error:
+        print(f"app: {path} through the outbound route failed: {error}", flush=True)
+        return 0
+    finally:
+        conn.close()
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    # Idle keep-alive connections end after a second, so that a graceful shutdown ends.
+    timeout = 1
+
+    def do_GET(self):
+        # The query names the client's request, so the test can match the upstream's record.
+        query = self.path.partition("?")[2]
+        status = call_upstream("/upstream?" + query)
+        body = b"ok\n" if status == 200 else f"upstream answered {status}\n".encode()
+        self.send_response(200 if status == 200 else 502)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class Server(http.server.ThreadingHTTPServer):
+    daemon_threads = False
+    block_on_close = True
+
+
+server = Server(("127.0.0.1", 8080), Handler)
+
+
+def on_sigterm(*_):
+    print(f"app: SIGTERM ({MODE})", flush=True)
+    if MODE == "immediate":
+        os._exit(0)
+    threading.Thread(target=server.shutdown).start()
+
+
+signal.signal(signal.SIGTERM, on_sigterm)
+print("app: listening on 127.0.0.1:8080", flush=True)
+server.serve_forever()
+server.server_close()
+status = call_upstream("/flush")
+print(f"app: last call through the outbound route answered {status}", flush=True)
+sys.exit(0 if status == 200 else 3)

@@ -1,0 +1,598 @@
+//! A kubelet's part, played with real processes: a pod spec as `lameduck inject` writes it is
+//! started and deleted in the order the kubelet uses (Kubernetes 1.29+ native sidecars).
+//!
+//! - The pod gets a network namespace of its own (`ip netns`), with only loopback up, so its
+//!   fixed ports (4143, 4191, 8080) are its own; every container and hook runs in it.
+//! - Volumes are `emptyDir` folders (mode 0777, as the kubelet makes them). There is no mount
+//!   namespace per container: a path under one of the container's `mountPath`s, in its
+//!   command, args, env values and hook commands, is translated to the volume's folder, and a
+//!   path the image holds (`/usr/local/bin/lameduck`) to the file the test gives for it.
+//!   Nothing else of the spec is rewritten.
+//! - `runAsUser`/`runAsGroup` are honoured (setuid in the child, no supplementary groups);
+//!   `allowPrivilegeEscalation: false` sets no_new_privs.
+//! - Start: init containers in order; one with `restartPolicy: Always` (a native sidecar) is
+//!   left running once its startup probe (httpGet) passes; then the app containers, each with
+//!   its postStart hook (exec).
+//! - Deletion: every app container's preStop hook, then its SIGTERM, in parallel; once every
+//!   app container has exited, the sidecars get SIGTERM in reverse order; anything still
+//!   running at `terminationGracePeriodSeconds` (counted from the hooks' start) is SIGKILLed.
+//!   In legacy mode (the proxy an ordinary container) every container is treated so at once.
+//! - Restart of one container (a failed liveness probe): its preStop hook, SIGTERM, then it
+//!   starts again with its postStart hook.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// What an image holds: the entrypoint, and files at fixed paths.
+#[derive(Clone)]
+pub struct Image {
+    pub entrypoint: Vec<String>,
+    pub files: Vec<(String, PathBuf)>,
+}
+
+/// A network namespace of the test's own, deleted on drop.
+pub struct NetNs {
+    name: String,
+    file: File,
+}
+
+impl NetNs {
+    /// None when network namespaces cannot be made here (not root, no iproute2).
+    pub fn new(tag: &str) -> Option<NetNs> {
+        let name = format!("lameduck-{tag}-{}", std::process::id());
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        let made = Command::new("ip")
+            .args(["netns", "add", &name])
+            .output()
+            .ok()?;
+        if !made.status.success() {
+            return None;
+        }
+        let up = Command::new("ip")
+            .args(["-n", &name, "link", "set", "lo", "up"])
+            .status()
+            .ok()?;
+        let file = File::open(format!("/var/run/netns/{name}")).ok()?;
+        let netns = NetNs { name, file };
+        up.success().then_some(netns)
+    }
+
+    /// Moves the calling thread into the namespace (threads it spawns follow it).
+    pub fn enter(&self) {
+        // SAFETY: setns(2) on a descriptor we own; it changes only this thread.
+        let rc = unsafe { libc::setns(self.file.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
+    }
+
+    /// Runs `work` on a thread inside the namespace.
+    pub fn spawn<T: Send + 'static>(
+        self: &Arc<Self>,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> thread::JoinHandle<T> {
+        let netns = self.clone();
+        thread::spawn(move || {
+            netns.enter();
+            work()
+        })
+    }
+
+    /// Runs `work` inside the namespace and returns what it returns.
+    pub fn run<T: Send + 'static>(
+        self: &Arc<Self>,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> T {
+        self.spawn(work).join().unwrap()
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
+    }
+}
+
+/// What happened, when (from the pod's creation), in order: the kubelet's actions and every
+/// line the containers and hooks printed.
+#[derive(Clone)]
+pub struct Timeline {
+    born: Instant,
+    events: Arc<Mutex<Vec<(Duration, String)>>>,
+}
+
+impl Timeline {
+    fn new() -> Timeline {
+        Timeline {
+            born: Instant::now(),
+            events: Arc::default(),
+        }
+    }
+
+    pub fn note(&self, what: impl Into<String>) -> Duration {
+        let at = self.born.elapsed();
+        self.events.lock().unwrap().push((at, what.into()));
+        at
+    }
+
+    /// When the first event containing `needle` happened.
+    pub fn when(&self, needle: &str) -> Option<Duration> {
+        self.events
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(_, what)| what.contains(needle))
+            .map(|(at, _)| *at)
+    }
+
+    pub fn text(&self) -> String {
+        self.events
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(at, what)| format!("{:>8.3}s {what}", at.as_secs_f64()))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn collect(&self, who: String, stream: impl Read + Send + 'static) {
+        let timeline = self.clone();
+        thread::spawn(move || {
+            for line in BufReader::new(stream).lines() {
+                let Ok(line) = line else { break };
+                timeline.note(format!("[{who}] {line}"));
+            }
+        });
+    }
+}
+
+struct Running {
+    name: String,
+    spec: Value,
+    child: Child,
+    status: Option<ExitStatus>,
+}
+
+/// How a deletion went.
+#[derive(Debug, Default)]
+pub struct Deletion {
+    /// preStop hook durations and statuses, by container.
+    pub hooks: Vec<(String, Duration, Option<i32>)>,
+    /// Exit time (from the deletion) and status of every container, in the order they exited.
+    pub exits: Vec<(String, Duration, ExitStatus)>,
+    /// Containers the kubelet had to SIGKILL at the end of the grace period.
+    pub killed: Vec<String>,
+    /// From the deletion to the last container's exit.
+    pub took: Duration,
+}
+
+pub struct Pod {
+    pub netns: Arc<NetNs>,
+    pub timeline: Timeline,
+    spec: Value,
+    images: HashMap<String, Image>,
+    volumes: HashMap<String, PathBuf>,
+    dir: PathBuf,
+    sidecars: Vec<Running>,
+    apps: Vec<Running>,
+}
+
+impl Pod {
+    /// Creates the pod's sandbox (network namespace, volumes) for `spec`, a pod spec.
+    pub fn new(
+        tag: &str,
+        spec: Value,
+        images: HashMap<String, Image>,
+    ) -> Result<Pod, &'static str> {
+        let netns =
+            NetNs::new(tag).ok_or("cannot make a network namespace (needs root and ip(8))")?;
+        let dir = std::env::temp_dir().join(format!("lameduck-pod-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut volumes = HashMap::new();
+        for volume in spec["volumes"].as_array().into_iter().flatten() {
+            let name = volume["name"].as_str().unwrap().to_string();
+            assert!(
+                volume.get("emptyDir").is_some(),
+                "only emptyDir volumes: {volume}"
+            );
+            let path = dir.join(&name);
+            std::fs::create_dir_all(&path).unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o777)).unwrap();
+            volumes.insert(name, path);
+        }
+        Ok(Pod {
+            netns: Arc::new(netns),
+            timeline: Timeline::new(),
+            spec,
+            images,
+            volumes,
+            dir,
+            sidecars: Vec::new(),
+            apps: Vec::new(),
+        })
+    }
+
+    /// Adds an environment variable to a container of the spec (before `start`).
+    pub fn add_env(&mut self, container: &str, name: &str, value: &str) {
+        for list in ["initContainers", "containers"] {
+            for entry in self.spec[list].as_array_mut().into_iter().flatten() {
+                if entry["name"] == container {
+                    let env = entry["env"].as_array_mut().unwrap();
+                    env.push(serde_json::json!({"name": name, "value": value}));
+                }
+            }
+        }
+    }
+
+    pub fn grace(&self) -> Duration {
+        Duration::from_secs(
+            self.spec["terminationGracePeriodSeconds"]
+                .as_u64()
+                .unwrap_or(30),
+        )
+    }
+
+    /// A path as the container sees it, translated to where it is on this machine.
+    fn translate(&self, container: &Value, value: &str) -> String {
+        for mount in container["volumeMounts"].as_array().into_iter().flatten() {
+            let at = mount["mountPath"].as_str().unwrap();
+            if let Some(rest) = value.strip_prefix(at)
+                && (rest.is_empty() || rest.starts_with('/'))
+            {
+                let volume = &self.volumes[mount["name"].as_str().unwrap()];
+                return format!("{}{rest}", volume.display());
+            }
+        }
+        let image = &self.images[container["image"].as_str().unwrap()];
+        for (path, file) in &image.files {
+            if value == path {
+                return file.display().to_string();
+            }
+        }
+        value.to_string()
+    }
+
+    /// A process of `container` running `argv` (as the container sees it).
+    fn command(&self, container: &Value, argv: &[String]) -> Command {
+        let argv: Vec<String> = argv
+            .iter()
+            .map(|arg| self.translate(container, arg))
+            .collect();
+        let mut command = Command::new(&argv[0]);
+        command.args(&argv[1..]).env_clear().env(
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        );
+        for var in container["env"].as_array().into_iter().flatten() {
+            let value = var["value"]
+                .as_str()
+                .expect("env values only, no valueFrom");
+            command.env(
+                var["name"].as_str().unwrap(),
+                self.translate(container, value),
+            );
+        }
+        let security = &container["securityContext"];
+        let uid = security["runAsUser"].as_u64().map(|uid| uid as libc::uid_t);
+        let gid = security["runAsGroup"]
+            .as_u64()
+            .map(|gid| gid as libc::gid_t)
+            .or(uid);
+        let no_new_privs = security["allowPrivilegeEscalation"] == false;
+        let netns = self.netns.file.as_raw_fd();
+        // SAFETY: only async-signal-safe system calls between fork and exec.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::setns(netns, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if let Some(gid) = gid {
+                    if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(gid) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                if let Some(uid) = uid
+                    && libc::setuid(uid) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if no_new_privs && libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        command
+    }
+
+    fn start_container(&self, container: &Value) -> Running {
+        let name = container["name"].as_str().unwrap().to_string();
+        let image = &self.images[container["image"].as_str().unwrap()];
+        let strings = |key: &str| -> Option<Vec<String>> {
+            container[key].as_array().map(|items| {
+                items
+                    .iter()
+                    .map(|item| item.as_str().unwrap().to_string())
+                    .collect()
+            })
+        };
+        let mut argv = strings("command").unwrap_or_else(|| image.entrypoint.clone());
+        argv.extend(strings("args").unwrap_or_default());
+        let mut child = self
+            .command(container, &argv)
+            .spawn()
+            .unwrap_or_else(|error| panic!("start container {name} ({argv:?}): {error}"));
+        self.timeline.note(format!(
+            "kubelet: started container {name} (pid {})",
+            child.id()
+        ));
+        self.timeline
+            .collect(name.clone(), child.stdout.take().unwrap());
+        self.timeline
+            .collect(name.clone(), child.stderr.take().unwrap());
+        Running {
+            name,
+            spec: container.clone(),
+            child,
+            status: None,
+        }
+    }
+
+    /// Runs a lifecycle hook's exec command in `container`, until it ends or `deadline`;
+    /// returns its exit code (None: not an exec hook, or killed at the deadline).
+    fn run_hook(&self, container: &Value, event: &str, deadline: Instant) -> Option<i32> {
+        let name = container["name"].as_str().unwrap();
+        let command = container["lifecycle"][event]["exec"]["command"].as_array()?;
+        let argv: Vec<String> = command
+            .iter()
+            .map(|arg| arg.as_str().unwrap().to_string())
+            .collect();
+        self.timeline
+            .note(format!("kubelet: {event} hook of {name}: {argv:?}"));
+        let mut child = self.command(container, &argv).spawn().unwrap();
+        let who = format!("{name} {event}");
+        self.timeline
+            .collect(who.clone(), child.stdout.take().unwrap());
+        self.timeline.collect(who, child.stderr.take().unwrap());
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                self.timeline
+                    .note(format!("kubelet: {event} hook of {name} ended: {status}"));
+                return status.code();
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                self.timeline.note(format!(
+                    "kubelet: {event} hook of {name} killed at the deadline"
+                ));
+                return None;
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Polls the container's startup probe (httpGet) until it passes; panics if it never does.
+    fn wait_startup_probe(&self, container: &Value) {
+        let probe = &container["startupProbe"];
+        let Some(path) = probe["httpGet"]["path"].as_str() else {
+            return;
+        };
+        let port = self.port(container, &probe["httpGet"]["port"]);
+        let period = Duration::from_secs(probe["periodSeconds"].as_u64().unwrap_or(10));
+        let failures = probe["failureThreshold"].as_u64().unwrap_or(3) as u32;
+        let path = path.to_string();
+        let name = container["name"].as_str().unwrap().to_string();
+        let passed = self.netns.run(move || {
+            for _ in 0..failures.max(1) {
+                if http_status(port, &path) == Some(200) {
+                    return true;
+                }
+                // A shorter first wait than the kubelet's: the tests' clock is precious, and
+                // only the order matters here.
+                thread::sleep(period.min(Duration::from_millis(100)));
+            }
+            false
+        });
+        assert!(
+            passed,
+            "startup probe of {name} never passed:\n{}",
+            self.timeline.text()
+        );
+        self.timeline
+            .note(format!("kubelet: startup probe of {name} passed"));
+    }
+
+    fn port(&self, container: &Value, port: &Value) -> u16 {
+        if let Some(number) = port.as_u64() {
+            return number as u16;
+        }
+        let name = port.as_str().unwrap();
+        container["ports"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["name"] == name)
+            .and_then(|p| p["containerPort"].as_u64())
+            .unwrap_or_else(|| panic!("no port named {name}")) as u16
+    }
+
+    /// Starts the pod: init containers in order (sidecars left running once started), then
+    /// the app containers with their postStart hooks.
+    pub fn start(&mut self) {
+        let spec = self.spec.clone();
+        for init in spec["initContainers"].as_array().into_iter().flatten() {
+            let mut running = self.start_container(init);
+            if init["restartPolicy"] == "Always" {
+                self.wait_startup_probe(init);
+                self.sidecars.push(running);
+            } else {
+                let status = running.child.wait().unwrap();
+                self.timeline.note(format!(
+                    "kubelet: init container {} ended: {status}",
+                    running.name
+                ));
+                assert!(status.success(), "init container {} failed", running.name);
+            }
+        }
+        for container in spec["containers"].as_array().into_iter().flatten() {
+            let running = self.start_container(container);
+            let far = Instant::now() + Duration::from_secs(60);
+            let code = self.run_hook(container, "postStart", far);
+            assert!(
+                code.is_none_or(|code| code == 0),
+                "postStart of {} failed (the kubelet would kill the container):\n{}",
+                running.name,
+                self.timeline.text()
+            );
+            self.apps.push(running);
+        }
+    }
+
+    /// Deletes the pod as the kubelet does.
+    pub fn delete(&mut self) -> Deletion {
+        let started = Instant::now();
+        let deadline = started + self.grace();
+        self.timeline.note(format!(
+            "kubelet: pod deleted (terminationGracePeriodSeconds {})",
+            self.grace().as_secs()
+        ));
+        let mut deletion = Deletion::default();
+        let apps = std::mem::take(&mut self.apps);
+        let sidecars = std::mem::take(&mut self.sidecars);
+        let this: &Pod = self;
+        let results: Vec<_> = thread::scope(|scope| {
+            let stops: Vec<_> = apps
+                .into_iter()
+                .map(|running| scope.spawn(move || this.stop(running, started, deadline)))
+                .collect();
+            stops.into_iter().map(|stop| stop.join().unwrap()).collect()
+        });
+        for (hook, exit, killed) in results {
+            deletion.hooks.extend(hook);
+            deletion.exits.push(exit);
+            deletion.killed.extend(killed);
+        }
+        for running in sidecars.into_iter().rev() {
+            let (hook, exit, killed) = this.stop(running, started, deadline);
+            deletion.hooks.extend(hook);
+            deletion.exits.push(exit);
+            deletion.killed.extend(killed);
+        }
+        deletion.took = started.elapsed();
+        deletion
+    }
+
+    /// preStop, SIGTERM, wait; SIGKILL at the deadline.
+    #[allow(clippy::type_complexity)]
+    fn stop(
+        &self,
+        mut running: Running,
+        started: Instant,
+        deadline: Instant,
+    ) -> (
+        Option<(String, Duration, Option<i32>)>,
+        (String, Duration, ExitStatus),
+        Option<String>,
+    ) {
+        let hook_started = Instant::now();
+        let hook = self
+            .run_hook(&running.spec, "preStop", deadline)
+            .map(|code| (running.name.clone(), hook_started.elapsed(), Some(code)))
+            .or_else(|| {
+                running.spec["lifecycle"]["preStop"]["exec"]
+                    .is_object()
+                    .then(|| (running.name.clone(), hook_started.elapsed(), None))
+            });
+        self.timeline
+            .note(format!("kubelet: SIGTERM to {}", running.name));
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(running.child.id() as i32, libc::SIGTERM) };
+        let mut killed = None;
+        let status = loop {
+            if let Some(status) = running.child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() >= deadline {
+                self.timeline.note(format!(
+                    "kubelet: SIGKILL to {} (grace period over)",
+                    running.name
+                ));
+                let _ = running.child.kill();
+                killed = Some(running.name.clone());
+                break running.child.wait().unwrap();
+            }
+            thread::sleep(Duration::from_millis(2));
+        };
+        running.status = Some(status);
+        self.timeline.note(format!(
+            "kubelet: container {} exited: {status}",
+            running.name
+        ));
+        (hook, (running.name, started.elapsed(), status), killed)
+    }
+
+    /// Restarts one app container as after a failed liveness probe: preStop, SIGTERM, wait,
+    /// then start it again with its postStart hook.
+    pub fn restart(&mut self, name: &str) -> Option<i32> {
+        let at = self
+            .apps
+            .iter()
+            .position(|running| running.name == name)
+            .unwrap_or_else(|| panic!("no app container {name}"));
+        let running = self.apps.remove(at);
+        let spec = running.spec.clone();
+        self.timeline.note(format!(
+            "kubelet: liveness probe of {name} failed: restarting it"
+        ));
+        let deadline = Instant::now() + self.grace();
+        let (hook, _, _) = self.stop(running, Instant::now(), deadline);
+        let restarted = self.start_container(&spec);
+        let code = self.run_hook(&spec, "postStart", Instant::now() + Duration::from_secs(60));
+        assert!(code.is_none_or(|code| code == 0), "postStart failed");
+        self.apps.insert(at, restarted);
+        hook.and_then(|(_, _, code)| code)
+    }
+}
+
+impl Drop for Pod {
+    fn drop(&mut self) {
+        for running in self.apps.iter_mut().chain(self.sidecars.iter_mut()) {
+            let _ = running.child.kill();
+            let _ = running.child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `GET path` on 127.0.0.1:`port` of the calling thread's network namespace.
+pub fn http_status(port: u16, path: &str) -> Option<u16> {
+    let mut stream =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(1)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .ok()?;
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).ok()?;
+    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+}
