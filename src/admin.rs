@@ -8,6 +8,7 @@
 //! | `GET /metrics` | Prometheus (OpenMetrics) text |
 //! | `POST /shutdown` | `200 shutdown`, then the shutdown starts; checks: method (405), loopback peer (403), `Origin`/`Host` (403), enabled (404) |
 //! | `GET /connections` | loopback only: the open proxy connections as JSON |
+//! | `GET /status` | loopback only: the phase, the inbound quiesce and the time left, as JSON (`lameduck status` prints it for people) |
 //!
 //! "Loopback" is judged from the socket's peer address alone, never from headers. The query
 //! string is ignored; paths match exactly (`/shutdown/` is 404).
@@ -42,6 +43,8 @@ pub struct Admin {
     pub conns: Arc<Connections>,
     pub metrics: Arc<Metrics>,
     pub shutdown_endpoint: bool,
+    pub grace_period: Duration,
+    pub lame_duck_period: Duration,
 }
 
 /// Serves admin connections until the process exits.
@@ -128,7 +131,17 @@ fn handle(
                 .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
             response
         }
-        "/live" | "/ready" | "/metrics" | "/connections" => not_allowed("GET, HEAD"),
+        "/status" if read_only => {
+            if !is_local(peer, request) {
+                return text(StatusCode::FORBIDDEN, FORBIDDEN);
+            }
+            let mut response = text(StatusCode::OK, status_json(admin));
+            response
+                .headers_mut()
+                .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            response
+        }
+        "/live" | "/ready" | "/metrics" | "/connections" | "/status" => not_allowed("GET, HEAD"),
         "/shutdown" => {
             if method != Method::POST {
                 return not_allowed("POST");
@@ -149,6 +162,40 @@ fn handle(
         }
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }
+}
+
+/// The body of `GET /status`: where the shutdown and the inbound quiesce stand, with the time
+/// each has left of the grace period.
+fn status_json(admin: &Admin) -> String {
+    let drain = &admin.drain;
+    let ms = |duration: Duration| duration.as_millis() as u64;
+    let timer = |since: std::time::Instant| {
+        serde_json::json!({
+            "elapsed_ms": ms(since.elapsed()),
+            "grace_left_ms": ms(admin.grace_period.saturating_sub(since.elapsed())),
+        })
+    };
+    let shutdown = match (drain.reason(), drain.started_at()) {
+        (Some(reason), Some((started, _))) => {
+            let mut timer = timer(started);
+            timer["trigger"] = reason.to_string().into();
+            timer
+        }
+        _ => serde_json::Value::Null,
+    };
+    let quiesce = drain
+        .inbound_quiesced_at()
+        .map_or(serde_json::Value::Null, timer);
+    let status = serde_json::json!({
+        "phase": drain.phase().as_str(),
+        "ready": drain.is_ready(),
+        "inbound": if drain.is_inbound_quiesced() { "quiesced" } else { "serving" },
+        "shutdown": shutdown,
+        "quiesce": quiesce,
+        "grace_period_ms": ms(admin.grace_period),
+        "lame_duck_period_ms": ms(admin.lame_duck_period),
+    });
+    format!("{status}\n")
 }
 
 /// The checks of the state-changing and revealing endpoints, in the contract's order: the

@@ -158,6 +158,8 @@ impl Bound {
             conns: conns.clone(),
             metrics: metrics.clone(),
             shutdown_endpoint: config.shutdown_endpoint,
+            grace_period: config.shutdown_grace_period,
+            lame_duck_period: config.lame_duck_period,
         };
         tokio::spawn(admin::serve(admin, Arc::new(admin_state)));
         info!(listen = %admin_addr, shutdown_endpoint = config.shutdown_endpoint, "admin server listening");

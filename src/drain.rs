@@ -9,7 +9,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 #[cfg(test)]
@@ -152,8 +152,9 @@ pub struct Drain {
     /// The inbound side serving now (replaced when it serves again after a quiesce).
     inbound: Mutex<Arc<Side>>,
     outbound: Arc<Side>,
-    /// Set while the inbound side is quiesced (CONTRACT section 7): `/ready` answers 503.
-    inbound_quiesced: AtomicBool,
+    /// When the inbound side was quiesced (CONTRACT section 7), while it is: `/ready` answers
+    /// 503.
+    inbound_quiesced: Mutex<Option<Instant>>,
     /// Cancelled by `app::run` when the grace period runs out or a second signal arrives:
     /// every connection task resets its sockets and ends.
     pub terminate: CancellationToken,
@@ -169,7 +170,7 @@ impl Default for Drain {
             phase: AtomicU8::new(Phase::Starting as u8),
             inbound: Mutex::new(Arc::new(Side::new(&terminate))),
             outbound: Arc::new(Side::new(&terminate)),
-            inbound_quiesced: AtomicBool::new(false),
+            inbound_quiesced: Mutex::new(None),
             terminate,
         }
     }
@@ -229,11 +230,16 @@ impl Drain {
     }
 
     pub fn is_inbound_quiesced(&self) -> bool {
-        self.inbound_quiesced.load(Ordering::Acquire)
+        self.inbound_quiesced_at().is_some()
+    }
+
+    /// When the inbound side was quiesced, while it is.
+    pub fn inbound_quiesced_at(&self) -> Option<Instant> {
+        *lock(&self.inbound_quiesced)
     }
 
     pub fn set_inbound_quiesced(&self, quiesced: bool) {
-        self.inbound_quiesced.store(quiesced, Ordering::Release);
+        *lock(&self.inbound_quiesced) = quiesced.then(Instant::now);
     }
 
     /// The side of `direction` serving now.

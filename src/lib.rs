@@ -17,6 +17,7 @@
 //! - [`metrics`]: Prometheus metrics;
 //! - [`logging`]: the `tracing` subscriber;
 //! - [`hook`]: `lameduck prestop` / `poststart`, the app containers' hooks that ask for it;
+//! - [`status`]: `lameduck status`, the proxy's state for people;
 //! - [`wrapper`]: `lameduck await`, running an app under the proxy's lifecycle;
 //! - [`inject`]: `lameduck inject`, the proxy added to Kubernetes workloads.
 
@@ -35,6 +36,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod quiesce;
 pub mod signals;
+pub mod status;
 pub mod tcp;
 pub mod upstream;
 pub mod wrapper;

@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 use lameduck::config::{Config, ProxyArgs, process_env};
 use lameduck::hook::{self, PostStartArgs, PreStopArgs};
 use lameduck::signals::ShutdownSignals;
+use lameduck::status::{self, StatusArgs};
 use lameduck::wrapper::{self, AwaitArgs};
 use lameduck::{app, inject, logging};
 
@@ -37,6 +38,8 @@ enum Command {
     Prestop(PreStopArgs),
     /// An app container's postStart hook: the proxy serves inbound again (after a restart)
     Poststart(PostStartArgs),
+    /// What the proxy is doing, for people: phase, grace left, connections, what holds a drain up
+    Status(StatusArgs),
     /// Copy this binary to PATH (used by legacy injection to hand it to app containers)
     #[command(hide = true)]
     CopyBinary {
@@ -73,7 +76,7 @@ fn main() {
     if tool.is_some_and(|arg| {
         matches!(
             arg,
-            "await" | "inject" | "copy-binary" | "prestop" | "poststart"
+            "await" | "inject" | "copy-binary" | "prestop" | "poststart" | "status"
         )
     }) {
         std::process::exit(run_tool());
@@ -112,7 +115,8 @@ fn main() {
             | Command::Inject(_)
             | Command::CopyBinary { .. }
             | Command::Prestop(_)
-            | Command::Poststart(_),
+            | Command::Poststart(_)
+            | Command::Status(_),
         ) => {
             unreachable!("dispatched before the proxy's signal handlers")
         }
@@ -137,7 +141,7 @@ fn main() {
     std::process::exit(code);
 }
 
-/// `await`, `inject`, `copy-binary`, `prestop` and `poststart`; returns the exit status.
+/// The commands other than the proxy; returns the exit status.
 fn run_tool() -> i32 {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -149,6 +153,7 @@ fn run_tool() -> i32 {
         Some(Command::CopyBinary { path }) => copy_binary(&path),
         Some(Command::Prestop(args)) => hook::prestop(args),
         Some(Command::Poststart(args)) => hook::poststart(args),
+        Some(Command::Status(args)) => status::run(args, process_env),
         _ => unreachable!("the first argument names a tool command"),
     }
 }

@@ -393,6 +393,8 @@ fn shutdown_from_non_loopback_is_forbidden_whatever_the_headers_say() {
             );
             let response = request_from(outside, admin, "GET", "/connections", headers);
             assert_eq!(response.status, 403, "/connections {headers:?}");
+            let response = request_from(outside, admin, "GET", "/status", headers);
+            assert_eq!(response.status, 403, "/status {headers:?}");
         }
         // A PROXY-protocol header claiming loopback is just a bad request line here.
         let socket =

@@ -746,8 +746,13 @@ fn the_image_matches_what_inject_expects() {
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docker/Dockerfile"))
             .unwrap();
     assert!(
-        dockerfile.contains("RUN cargo build --release --locked --bin lameduck"),
-        "the image builds the tested release binary"
+        dockerfile.contains("cargo build --release --locked --bin lameduck --target")
+            && dockerfile.contains("COPY .cargo ./.cargo"),
+        "the image builds the tested release binary, static as the tests' (.cargo/config.toml)"
+    );
+    assert!(
+        dockerfile.contains("FROM gcr.io/distroless/static"),
+        "a static binary needs no libc in the image"
     );
     assert!(
         dockerfile.contains("ENTRYPOINT [\"/usr/local/bin/lameduck\"]"),

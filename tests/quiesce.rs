@@ -419,3 +419,86 @@ fn a_stale_socket_is_replaced() {
     assert!(status.success(), "{out}");
     assert_eq!(proxy.get("/ready").status, 503);
 }
+
+/// `lameduck status`, as an operator runs it in the proxy's container: the phase, the inbound
+/// quiesce and the grace period left, the open connections by direction and protocol, and the
+/// oldest ones, which hold the drain up.
+#[test]
+fn status_tells_why_the_pod_does_not_go_away() {
+    let echo = EchoServer::start();
+    let backend = Backend::start();
+    let (_dir, socket) = shared_dir("status");
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &format!("127.0.0.1:0={}/tcp", echo.addr),
+        "--outbound",
+        &backend.route("127.0.0.1:0"),
+        "--drain-socket",
+        &socket,
+        "--shutdown-grace-period",
+        "30s",
+    ]);
+    let status = |env_admin: bool| {
+        let mut command = Command::new(BIN);
+        command.arg("status");
+        let admin = proxy.admin.to_string();
+        if env_admin {
+            command.env("LAMEDUCK_ADMIN", &admin);
+        } else {
+            command.args(["--admin", &admin]);
+        }
+        let output = command.output().unwrap();
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let out = status(false);
+    assert!(out.contains("phase:         serving (ready)"), "{out}");
+    assert!(out.contains("inbound:       serving"), "{out}");
+    assert!(out.contains("shutdown:      not started"), "{out}");
+    assert!(out.contains("connections:   0 open"), "{out}");
+
+    let held = echo_connect(proxy.inbound[0]);
+    let peer = held.local_addr().unwrap().to_string();
+    let mut idle_out = send_raw(proxy.outbound[0], &get("/"));
+    assert_eq!(read_response(&mut idle_out).unwrap().status, 200);
+    let hook = spawn_hook("prestop", &socket, &[]);
+    wait_until("/ready answers 503", PATIENCE, || {
+        proxy.get("/ready").status == 503
+    });
+    let out = status(true);
+    assert!(out.contains("(not ready)"), "{out}");
+    assert!(out.contains("inbound:       quiesced"), "{out}");
+    assert!(out.contains("of its grace period left"), "{out}");
+    assert!(
+        out.contains("connections:   2 open: inbound 1 (tcp 1), outbound 1 (http1 1)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("oldest connections (these hold a drain up):"),
+        "{out}"
+    );
+    let oldest = out
+        .lines()
+        .find(|line| line.contains(&peer))
+        .unwrap_or_else(|| panic!("the held connection from {peer} is not listed:\n{out}"));
+    assert!(oldest.trim_start().starts_with("inbound  tcp"), "{oldest}");
+
+    drop(held);
+    let (status_code, out_hook, _) = finish(hook, Instant::now());
+    assert!(status_code.success(), "{out_hook}");
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+
+    // No proxy: a clear error, status 1; a bad address: status 2.
+    let output = Command::new(BIN)
+        .args(["status", "--admin", &proxy.admin.to_string()])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("cannot ask the proxy"));
+    let output = Command::new(BIN)
+        .args(["status", "--admin", "nowhere"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+}

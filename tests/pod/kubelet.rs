@@ -68,6 +68,11 @@ impl NetNs {
         up.success().then_some(netns)
     }
 
+    /// The namespace's descriptor, for `setns` in a child before it runs a program.
+    pub fn raw_fd(&self) -> std::os::fd::RawFd {
+        self.file.as_raw_fd()
+    }
+
     /// Moves the calling thread into the namespace (threads it spawns follow it).
     pub fn enter(&self) {
         // SAFETY: setns(2) on a descriptor we own; it changes only this thread.
@@ -291,7 +296,7 @@ impl Pod {
             .map(|gid| gid as libc::gid_t)
             .or(uid);
         let no_new_privs = security["allowPrivilegeEscalation"] == false;
-        let netns = self.netns.file.as_raw_fd();
+        let netns = self.netns.raw_fd();
         // SAFETY: only async-signal-safe system calls between fork and exec.
         unsafe {
             command.pre_exec(move || {
