@@ -12,6 +12,12 @@
 //!   It never fails on the proxy's account: a failed postStart hook makes the kubelet kill
 //!   the container.
 //!
+//! - In legacy mode (the proxy an ordinary container, signalled with the app at t = 0),
+//!   `poststart --hold` leaves a process in the app container that holds a connection to the
+//!   proxy for as long as the container lives, and the proxy's own preStop hook, `prestop
+//!   --wait-for-apps`, waits after the quiesce until no app container holds one: the proxy's
+//!   SIGTERM then comes after the app has exited, and its outbound side stays open until then.
+//!
 //! What they did goes to their standard output (the kubelet shows a failed hook's output in
 //! the pod's events) and to the proxy's log.
 
@@ -27,6 +33,9 @@ use clap::Args;
 /// Where the injected pod's shared volume holds the control socket.
 pub const DEFAULT_SOCKET: &str = "/lameduck/drain.sock";
 
+/// How long `hold` keeps trying to reach a proxy that has not started yet.
+const HOLD_CONNECT_PATIENCE: Duration = Duration::from_secs(120);
+
 /// Exit status when the proxy could not be asked (the kubelet records a failed preStop hook).
 const EXIT_FAILED: i32 = 1;
 
@@ -38,6 +47,10 @@ pub struct PreStopArgs {
     /// Sleep this long after the inbound drain (the container's own `sleep` preStop action)
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     sleep: Option<Duration>,
+    /// After the inbound drain, wait until every app container has exited (the proxy
+    /// container's own preStop hook in legacy mode)
+    #[arg(long)]
+    wait_for_apps: bool,
     /// The container's own preStop command, run after the inbound drain
     #[arg(last = true, value_name = "COMMAND")]
     command: Vec<String>,
@@ -51,6 +64,10 @@ pub struct PostStartArgs {
     /// Sleep this long after asking the proxy (the container's own `sleep` postStart action)
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     sleep: Option<Duration>,
+    /// Leave a process behind that holds a connection to the proxy for as long as this
+    /// container lives (legacy mode: the proxy's preStop waits for every holder to go)
+    #[arg(long)]
+    hold: bool,
     /// The container's own postStart command, run after asking the proxy
     #[arg(last = true, value_name = "COMMAND")]
     command: Vec<String>,
@@ -69,7 +86,17 @@ pub fn prestop(args: PreStopArgs) -> i32 {
         "lameduck prestop: waited {} ms for the inbound drain",
         started.elapsed().as_millis()
     );
-    let status = if asked { 0 } else { EXIT_FAILED };
+    let mut status = if asked { 0 } else { EXIT_FAILED };
+    if args.wait_for_apps {
+        let started = Instant::now();
+        if !ask("prestop", &args.socket, "apps-gone") {
+            status = EXIT_FAILED;
+        }
+        println!(
+            "lameduck prestop: waited {} ms for the app containers to exit",
+            started.elapsed().as_millis()
+        );
+    }
     if let Some(pause) = args.sleep {
         std::thread::sleep(pause);
     }
@@ -79,10 +106,72 @@ pub fn prestop(args: PreStopArgs) -> i32 {
 /// `lameduck poststart`: 0 unless the container's own postStart command fails.
 pub fn poststart(args: PostStartArgs) -> i32 {
     ask("poststart", &args.socket, "resume");
+    if args.hold {
+        spawn_holder(&args.socket);
+    }
     if let Some(pause) = args.sleep {
         std::thread::sleep(pause);
     }
     then_run("poststart", args.command, 0)
+}
+
+/// Starts `lameduck hold` detached from the hook (its own session, no stdio: the runtime
+/// waits for the hook's output to end), so that it outlives the hook and dies with the
+/// container.
+fn spawn_holder(socket: &PathBuf) {
+    let spawned = std::env::current_exe().and_then(|me| {
+        let mut holder = Command::new(me);
+        holder
+            .arg("hold")
+            .arg("--socket")
+            .arg(socket)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        // SAFETY: setsid(2) is async-signal-safe.
+        unsafe {
+            holder.pre_exec(|| {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        holder.spawn()
+    });
+    match spawned {
+        Ok(child) => println!(
+            "lameduck poststart: pid {} holds the proxy's socket while this container lives",
+            child.id()
+        ),
+        Err(error) => println!("lameduck poststart: cannot start the holder: {error}"),
+    }
+}
+
+/// `lameduck hold`: holds a connection to the proxy until the proxy closes it or this
+/// process is killed (with its container).
+pub fn hold(args: HoldArgs) -> i32 {
+    // In legacy mode the app container may start before the proxy has bound its socket (an
+    // ordinary container's start waits for no other), so the holder keeps trying a while.
+    let deadline = Instant::now() + HOLD_CONNECT_PATIENCE;
+    let mut stream = loop {
+        match UnixStream::connect(&args.socket) {
+            Ok(stream) => break stream,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            Err(_) => return EXIT_FAILED,
+        }
+    };
+    if stream.write_all(b"hold\n").is_err() {
+        return EXIT_FAILED;
+    }
+    let mut sink = [0u8; 64];
+    while matches!(std::io::Read::read(&mut stream, &mut sink), Ok(n) if n > 0) {}
+    0
+}
+
+#[derive(Args, Debug)]
+pub struct HoldArgs {
+    /// The proxy's control socket
+    #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
+    socket: PathBuf,
 }
 
 /// Sends `request` and prints every line of the answer; true when the last one is `ok …`.

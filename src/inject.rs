@@ -297,7 +297,7 @@ fn inject_template(
         endpoint = Some(true);
     }
     let proxy = proxy_container(&settings, endpoint, options);
-    hook_app_containers(spec, object, notes);
+    hook_app_containers(spec, object, !settings.native, notes);
     if settings.native {
         sequence(spec, "initContainers").insert(0, proxy);
     } else {
@@ -531,7 +531,21 @@ fn proxy_container(
              allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}",
         ),
     );
-    Value::Mapping(container)
+    let mut container = Value::Mapping(container);
+    if !settings.native {
+        // An ordinary container is signalled with the app: its own preStop hook quiesces the
+        // inbound side too, then waits until every app container has exited, so that its
+        // SIGTERM (and the close of the outbound side) comes after the app's end.
+        chain_hook(
+            &mut container,
+            "preStop",
+            IMAGE_BINARY,
+            "prestop",
+            &["--wait-for-apps"],
+        )
+        .expect("the proxy container has no hook of its own");
+    }
+    container
 }
 
 /// Wraps every app container with an explicit command in `lameduck await --shutdown`.
@@ -560,15 +574,21 @@ fn wrap_job_containers(spec: &mut Value, object: &Object, notes: &mut Vec<String
 }
 
 /// Every app container mounts the shared volume (read-only) and gets the preStop and
-/// postStart hooks that quiesce and resume the proxy's inbound side.
-fn hook_app_containers(spec: &mut Value, object: &Object, notes: &mut Vec<String>) {
+/// postStart hooks that quiesce and resume the proxy's inbound side; in legacy mode the
+/// postStart hook also leaves a holder behind, whose end tells the proxy that the container
+/// has exited.
+fn hook_app_containers(spec: &mut Value, object: &Object, legacy: bool, notes: &mut Vec<String>) {
     let mount = yaml(&format!(
         "{{name: {SHARED_VOLUME}, mountPath: {SHARED_DIR}, readOnly: true}}"
     ));
     for container in app_containers(spec) {
         sequence(container, "volumeMounts").push(mount.clone());
-        for (event, command) in [("preStop", "prestop"), ("postStart", "poststart")] {
-            if let Err(kept) = chain_hook(container, event, command) {
+        let hold: &[&str] = if legacy { &["--hold"] } else { &[] };
+        for (event, command, extra) in [
+            ("preStop", "prestop", &[][..]),
+            ("postStart", "poststart", hold),
+        ] {
+            if let Err(kept) = chain_hook(container, event, SHARED_BINARY, command, extra) {
                 notes.push(format!(
                     "{} {}/{}: container {} has a {kept} {event} hook, which cannot run after \
                      another; it is kept and lameduck's `{command}` is not added{}",
@@ -586,17 +606,25 @@ fn hook_app_containers(spec: &mut Value, object: &Object, notes: &mut Vec<String
     }
 }
 
-/// Sets the container's `event` hook to `lameduck COMMAND`, followed by the container's own
-/// exec or sleep action; another kind of action (httpGet) is kept, and its kind returned.
-fn chain_hook(container: &mut Value, event: &str, command: &str) -> Result<(), String> {
+/// Sets the container's `event` hook to `BINARY COMMAND --socket … EXTRA…`, followed by the
+/// container's own exec or sleep action; another kind of action (httpGet) is kept, and its
+/// kind returned.
+fn chain_hook(
+    container: &mut Value,
+    event: &str,
+    binary: &str,
+    command: &str,
+    extra: &[&str],
+) -> Result<(), String> {
     // The socket is named, not left to the command's default, so that the pod spec shows
     // both ends of the channel: this argument and the proxy's LAMEDUCK_DRAIN_SOCKET.
     let mut exec: Vec<Value> = vec![
-        SHARED_BINARY.into(),
+        binary.into(),
         command.into(),
         "--socket".into(),
         SHARED_SOCKET.into(),
     ];
+    exec.extend(extra.iter().map(|&arg| Value::from(arg)));
     let existing = container.get("lifecycle").and_then(|l| l.get(event));
     if let Some(existing) = existing {
         if let Some(theirs) = existing

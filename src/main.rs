@@ -4,7 +4,7 @@
 
 use clap::{Parser, Subcommand};
 use lameduck::config::{Config, ProxyArgs, process_env};
-use lameduck::hook::{self, PostStartArgs, PreStopArgs};
+use lameduck::hook::{self, HoldArgs, PostStartArgs, PreStopArgs};
 use lameduck::signals::ShutdownSignals;
 use lameduck::status::{self, StatusArgs};
 use lameduck::wrapper::{self, AwaitArgs};
@@ -40,6 +40,9 @@ enum Command {
     Poststart(PostStartArgs),
     /// What the proxy is doing, for people: phase, grace left, connections, what holds a drain up
     Status(StatusArgs),
+    /// Hold a connection to the proxy while this container lives (started by `poststart --hold`)
+    #[command(hide = true)]
+    Hold(HoldArgs),
     /// Copy this binary to PATH (used by legacy injection to hand it to app containers)
     #[command(hide = true)]
     CopyBinary {
@@ -76,7 +79,7 @@ fn main() {
     if tool.is_some_and(|arg| {
         matches!(
             arg,
-            "await" | "inject" | "copy-binary" | "prestop" | "poststart" | "status"
+            "await" | "inject" | "copy-binary" | "prestop" | "poststart" | "status" | "hold"
         )
     }) {
         std::process::exit(run_tool());
@@ -116,7 +119,8 @@ fn main() {
             | Command::CopyBinary { .. }
             | Command::Prestop(_)
             | Command::Poststart(_)
-            | Command::Status(_),
+            | Command::Status(_)
+            | Command::Hold(_),
         ) => {
             unreachable!("dispatched before the proxy's signal handlers")
         }
@@ -154,6 +158,7 @@ fn run_tool() -> i32 {
         Some(Command::Prestop(args)) => hook::prestop(args),
         Some(Command::Poststart(args)) => hook::poststart(args),
         Some(Command::Status(args)) => status::run(args, process_env),
+        Some(Command::Hold(args)) => hook::hold(args),
         _ => unreachable!("the first argument names a tool command"),
     }
 }

@@ -18,8 +18,16 @@
 //! admin port: nothing outside the pod can reach it, and an app's server-side request forgery
 //! (which makes the app send HTTP to an address of the attacker's choice) cannot either.
 //!
-//! The protocol is one line from the client (`quiesce` or `resume`), then lines from the
-//! proxy: progress, and a last line that starts with `ok ` or `error `.
+//! In legacy mode (the proxy an ordinary container, signalled at t = 0 with the app) the
+//! proxy's own preStop hook waits until every app container has exited, so that its SIGTERM,
+//! and the close of its outbound side, come after the app's end as with a native sidecar.
+//! Each app container's postStart hook leaves a process behind that **holds** a connection
+//! to this socket; the kernel kills it with the container (it lives in the container's PID
+//! namespace), and the connection closes: `apps-gone` answers once no hold is left.
+//!
+//! The protocol is one line from the client (`quiesce`, `resume`, `hold` or `apps-gone`),
+//! then lines from the proxy: progress, and a last line that starts with `ok ` or `error `
+//! (`hold` answers `ok holding` and then keeps the connection until the client closes it).
 
 use std::io;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -81,6 +89,8 @@ pub struct InboundControl {
     lame_duck: Duration,
     grace: Duration,
     state: tokio::sync::Mutex<State>,
+    /// How many app containers hold a connection (legacy mode), and how many ever did.
+    holds: watch::Sender<(usize, usize)>,
 }
 
 impl InboundControl {
@@ -100,7 +110,27 @@ impl InboundControl {
             lame_duck,
             grace,
             state: tokio::sync::Mutex::new(State::Serving),
+            holds: watch::Sender::new((0, 0)),
         }
+    }
+
+    /// Counts one app container as running until `client` closes its connection.
+    async fn hold(&self, client: tokio::net::unix::OwnedReadHalf) {
+        self.holds.send_modify(|(now, ever)| {
+            *now += 1;
+            *ever += 1;
+        });
+        let mut client = client;
+        let mut sink = [0u8; 64];
+        while matches!(client.read(&mut sink).await, Ok(n) if n > 0) {}
+        self.holds.send_modify(|(now, _)| *now -= 1);
+    }
+
+    /// Resolves once no app container holds a connection; how many ever did.
+    async fn apps_gone(&self) -> usize {
+        let mut holds = self.holds.subscribe();
+        let _ = holds.wait_for(|(now, _)| *now == 0).await;
+        holds.borrow().1
     }
 
     /// Starts the quiesce unless it has started already; the receiver yields its outcome.
@@ -253,11 +283,11 @@ pub async fn serve(listener: UnixListener, path: PathBuf, control: Arc<InboundCo
 
 async fn answer(stream: UnixStream, control: Arc<InboundControl>) {
     let who = match stream.peer_cred() {
-        Ok(cred) => format!(
-            "uid {} pid {}",
-            cred.uid(),
-            cred.pid().map_or("?".into(), |pid| pid.to_string())
-        ),
+        // The pid is 0 when the peer is in another PID namespace (another container).
+        Ok(cred) => match cred.pid().filter(|pid| *pid > 0) {
+            Some(pid) => format!("uid {} pid {pid}", cred.uid()),
+            None => format!("uid {}", cred.uid()),
+        },
         Err(_) => "an unknown peer".into(),
     };
     let (read, mut write) = stream.into_split();
@@ -285,6 +315,19 @@ async fn answer(stream: UnixStream, control: Arc<InboundControl>) {
                     Err(_) => "error the quiesce ended without an outcome\n".into(),
                 }
             }
+            "hold" => {
+                let _ = write.write_all(b"ok holding\n").await;
+                info!(from = %who, "an app container holds the control socket (legacy mode)");
+                control.hold(reader.into_inner().into_inner()).await;
+                info!(from = %who, "an app container let go of the control socket: it has exited");
+                return;
+            }
+            "apps-gone" => {
+                info!(from = %who, "waiting until every app container has exited (legacy mode)");
+                let ever = control.apps_gone().await;
+                info!(app_containers = ever, "every app container has exited");
+                format!("ok every app container has exited ({ever} held the socket)\n")
+            }
             "resume" => {
                 info!(from = %who, "inbound resume requested (postStart)");
                 match control.resume().await {
@@ -295,7 +338,9 @@ async fn answer(stream: UnixStream, control: Arc<InboundControl>) {
                     }
                 }
             }
-            other => format!("error unknown request {other:?}; expected quiesce or resume\n"),
+            other => format!(
+                "error unknown request {other:?}; expected quiesce, resume, hold or apps-gone\n"
+            ),
         },
         Ok(Err(error)) => format!("error cannot read the request: {error}\n"),
         Err(_) => "error no request within 5 s\n".into(),

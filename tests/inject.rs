@@ -375,6 +375,13 @@ fn every_workload_kind_in_legacy_mode() {
         err.contains("container uploader has no explicit command"),
         "{err}"
     );
+    // The proxy, an ordinary container signalled with the app, waits in its own preStop hook
+    // until the app containers have exited; each of them leaves a holder that tells it so.
+    assert_eq!(out.matches("- --wait-for-apps\n").count(), 8, "{out}");
+    assert_eq!(
+        out.matches("- --hold\n").count(),
+        out.matches("- poststart\n").count()
+    );
 }
 
 #[test]

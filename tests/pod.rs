@@ -281,8 +281,8 @@ fn upstream_ids(upstream: &Backend) -> HashSet<u64> {
 }
 
 /// Runs the load across a deletion, and checks what CONTRACT section 7 promises.
-fn delete_under_load(tag: &str, mode: &str) {
-    let (mut pod, upstream) = match running_pod(tag, mode, true) {
+fn delete_under_load(tag: &str, mode: &str, native: bool) {
+    let (mut pod, upstream) = match running_pod(tag, mode, native) {
         Ok(running) => running,
         Err(why) => return support::skip(tag, why),
     };
@@ -318,7 +318,11 @@ fn delete_under_load(tag: &str, mode: &str) {
         "{tag}: SIGKILLed: {report}\n{timeline}"
     );
     // The hook waited for the inbound drain and said so; the app was signalled after it.
-    let (_, hook_took, hook_code) = deletion.hooks.first().expect("the app's preStop hook ran");
+    let (_, hook_took, hook_code) = deletion
+        .hooks
+        .iter()
+        .find(|(name, _, _)| name == "app")
+        .expect("the app's preStop hook ran");
     assert_eq!(*hook_code, Some(0), "{tag}: {timeline}");
     assert!(timeline.contains("ok inbound drained"), "{tag}: {timeline}");
     let prestop_ended = pod.timeline.when("preStop hook of app ended").unwrap();
@@ -328,7 +332,8 @@ fn delete_under_load(tag: &str, mode: &str) {
         *hook_took >= Duration::from_secs(2),
         "{tag}: the hook returned after {hook_took:?}, within the lame-duck period"
     );
-    // The proxy was signalled last, and went at once; everything exited cleanly.
+    // The proxy was signalled last (legacy mode: its own preStop hook waited for the app to
+    // exit), and went at once; everything exited cleanly.
     let order: Vec<&str> = deletion
         .exits
         .iter()
@@ -378,12 +383,21 @@ fn report(tally: &Tally, deletion: &Deletion) -> String {
 
 #[test]
 fn deleting_a_pod_under_load_loses_no_request_with_a_graceful_app() {
-    delete_under_load("graceful", "graceful");
+    delete_under_load("graceful", "graceful", true);
 }
 
 #[test]
 fn deleting_a_pod_under_load_loses_no_request_with_an_app_that_exits_at_once() {
-    delete_under_load("immediate", "immediate");
+    delete_under_load("immediate", "immediate", true);
+}
+
+/// Legacy mode: the proxy is an ordinary container, and the kubelet runs its preStop hook and
+/// signals it at t = 0 with the app. Its hook quiesces the inbound side and then waits until
+/// the app container has exited (its holder, started by the app's postStart hook, dies with
+/// it), so the outbound side stays open for the app's own shutdown.
+#[test]
+fn deleting_a_legacy_pod_under_load_loses_no_request_and_keeps_outbound_for_the_app() {
+    delete_under_load("legacy", "graceful", false);
 }
 
 /// A preStop hook also runs before the kubelet restarts a container whose liveness probe

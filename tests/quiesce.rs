@@ -502,3 +502,72 @@ fn status_tells_why_the_pod_does_not_go_away() {
         .unwrap();
     assert_eq!(output.status.code(), Some(2));
 }
+
+/// Legacy mode: the proxy container's own preStop (`prestop --wait-for-apps`) returns only
+/// once every app container's holder (left by `poststart --hold`) is gone.
+#[test]
+fn wait_for_apps_returns_once_every_holder_is_gone() {
+    let backend = Backend::start();
+    let (_dir, socket) = shared_dir("holders");
+    let proxy = Proxy::start(&[
+        "--inbound",
+        &backend.route("127.0.0.1:0"),
+        "--drain-socket",
+        &socket,
+    ]);
+    let mut holders: Vec<Child> = (0..2)
+        .map(|_| {
+            Command::new(BIN)
+                .args(["hold", "--socket", &socket])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    wait_until("both holders hold", PATIENCE, || {
+        proxy
+            .logs
+            .lines()
+            .iter()
+            .filter(|line| line.contains("holds the control socket"))
+            .count()
+            == 2
+    });
+    let started = Instant::now();
+    let mut hook = spawn_hook("prestop", &socket, &["--wait-for-apps"]);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        hook.try_wait().unwrap().is_none(),
+        "returned with two holders"
+    );
+    let _ = holders[0].kill();
+    let _ = holders[0].wait();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        hook.try_wait().unwrap().is_none(),
+        "returned with one holder"
+    );
+    let _ = holders[1].kill();
+    let _ = holders[1].wait();
+    let (status, out, _) = finish(hook, started);
+    assert!(status.success(), "{out}");
+    assert!(out.contains("ok inbound drained"), "{out}");
+    assert!(
+        out.contains("ok every app container has exited (2 held the socket)"),
+        "{out}"
+    );
+    // `poststart --hold` leaves a holder behind that outlives the hook.
+    let (status, out, _) = run_hook("poststart", &socket, &["--hold"]);
+    assert!(
+        status.success() && out.contains("holds the proxy's socket"),
+        "{out}"
+    );
+    wait_until("the new holder holds", PATIENCE, || {
+        proxy
+            .logs
+            .lines()
+            .iter()
+            .filter(|line| line.contains("holds the control socket"))
+            .count()
+            == 3
+    });
+}

@@ -165,7 +165,10 @@ impl Timeline {
 struct Running {
     name: String,
     spec: Value,
+    /// `unshare`, whose status is the container's.
     child: Child,
+    /// The container's init (PID 1 of its PID namespace), as this machine numbers it.
+    init: u32,
     status: Option<ExitStatus>,
 }
 
@@ -269,14 +272,41 @@ impl Pod {
         value.to_string()
     }
 
-    /// A process of `container` running `argv` (as the container sees it).
-    fn command(&self, container: &Value, argv: &[String]) -> Command {
-        let argv: Vec<String> = argv
-            .iter()
-            .map(|arg| self.translate(container, arg))
-            .collect();
-        let mut command = Command::new(&argv[0]);
-        command.args(&argv[1..]).env_clear().env(
+    /// A process of `container` running `argv` (as the container sees it): the container's
+    /// init in a PID namespace of its own (`init` None), or a hook's process in the PID
+    /// namespace of the container whose init is `init`, as a runtime's exec does. The user
+    /// and no_new_privs come from the container's securityContext (setpriv).
+    fn command(&self, container: &Value, argv: &[String], init: Option<u32>) -> Command {
+        let security = &container["securityContext"];
+        let uid = security["runAsUser"].as_u64();
+        let gid = security["runAsGroup"].as_u64().or(uid);
+        let no_new_privs = security["allowPrivilegeEscalation"] == false;
+        let mut wrapped: Vec<String> = match init {
+            None => ["unshare", "--pid", "--fork", "--kill-child", "--"]
+                .map(String::from)
+                .to_vec(),
+            Some(pid) => vec![
+                "nsenter".into(),
+                format!("--target={pid}"),
+                "--pid".into(),
+                "--".into(),
+            ],
+        };
+        if uid.is_some() || no_new_privs {
+            wrapped.push("setpriv".into());
+            if let (Some(uid), Some(gid)) = (uid, gid) {
+                wrapped.push(format!("--reuid={uid}"));
+                wrapped.push(format!("--regid={gid}"));
+                wrapped.push("--clear-groups".into());
+            }
+            if no_new_privs {
+                wrapped.push("--no-new-privs".into());
+            }
+            wrapped.push("--".into());
+        }
+        wrapped.extend(argv.iter().map(|arg| self.translate(container, arg)));
+        let mut command = Command::new(&wrapped[0]);
+        command.args(&wrapped[1..]).env_clear().env(
             "PATH",
             "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         );
@@ -289,31 +319,11 @@ impl Pod {
                 self.translate(container, value),
             );
         }
-        let security = &container["securityContext"];
-        let uid = security["runAsUser"].as_u64().map(|uid| uid as libc::uid_t);
-        let gid = security["runAsGroup"]
-            .as_u64()
-            .map(|gid| gid as libc::gid_t)
-            .or(uid);
-        let no_new_privs = security["allowPrivilegeEscalation"] == false;
         let netns = self.netns.raw_fd();
-        // SAFETY: only async-signal-safe system calls between fork and exec.
+        // SAFETY: setns(2) is async-signal-safe.
         unsafe {
             command.pre_exec(move || {
                 if libc::setns(netns, libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if let Some(gid) = gid {
-                    if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(gid) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                if let Some(uid) = uid
-                    && libc::setuid(uid) != 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if no_new_privs && libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
@@ -340,12 +350,12 @@ impl Pod {
         let mut argv = strings("command").unwrap_or_else(|| image.entrypoint.clone());
         argv.extend(strings("args").unwrap_or_default());
         let mut child = self
-            .command(container, &argv)
+            .command(container, &argv, None)
             .spawn()
             .unwrap_or_else(|error| panic!("start container {name} ({argv:?}): {error}"));
+        let init = init_of(child.id());
         self.timeline.note(format!(
-            "kubelet: started container {name} (pid {})",
-            child.id()
+            "kubelet: started container {name} (init pid {init})"
         ));
         self.timeline
             .collect(name.clone(), child.stdout.take().unwrap());
@@ -355,13 +365,20 @@ impl Pod {
             name,
             spec: container.clone(),
             child,
+            init,
             status: None,
         }
     }
 
     /// Runs a lifecycle hook's exec command in `container`, until it ends or `deadline`;
     /// returns its exit code (None: not an exec hook, or killed at the deadline).
-    fn run_hook(&self, container: &Value, event: &str, deadline: Instant) -> Option<i32> {
+    fn run_hook(
+        &self,
+        container: &Value,
+        init: u32,
+        event: &str,
+        deadline: Instant,
+    ) -> Option<i32> {
         let name = container["name"].as_str().unwrap();
         let command = container["lifecycle"][event]["exec"]["command"].as_array()?;
         let argv: Vec<String> = command
@@ -370,7 +387,7 @@ impl Pod {
             .collect();
         self.timeline
             .note(format!("kubelet: {event} hook of {name}: {argv:?}"));
-        let mut child = self.command(container, &argv).spawn().unwrap();
+        let mut child = self.command(container, &argv, Some(init)).spawn().unwrap();
         let who = format!("{name} {event}");
         self.timeline
             .collect(who.clone(), child.stdout.take().unwrap());
@@ -459,7 +476,7 @@ impl Pod {
         for container in spec["containers"].as_array().into_iter().flatten() {
             let running = self.start_container(container);
             let far = Instant::now() + Duration::from_secs(60);
-            let code = self.run_hook(container, "postStart", far);
+            let code = self.run_hook(container, running.init, "postStart", far);
             assert!(
                 code.is_none_or(|code| code == 0),
                 "postStart of {} failed (the kubelet would kill the container):\n{}",
@@ -518,7 +535,7 @@ impl Pod {
     ) {
         let hook_started = Instant::now();
         let hook = self
-            .run_hook(&running.spec, "preStop", deadline)
+            .run_hook(&running.spec, running.init, "preStop", deadline)
             .map(|code| (running.name.clone(), hook_started.elapsed(), Some(code)))
             .or_else(|| {
                 running.spec["lifecycle"]["preStop"]["exec"]
@@ -528,7 +545,7 @@ impl Pod {
         self.timeline
             .note(format!("kubelet: SIGTERM to {}", running.name));
         // SAFETY: kill(2) on our own child.
-        unsafe { libc::kill(running.child.id() as i32, libc::SIGTERM) };
+        unsafe { libc::kill(running.init as i32, libc::SIGTERM) };
         let mut killed = None;
         let status = loop {
             if let Some(status) = running.child.try_wait().unwrap() {
@@ -539,6 +556,8 @@ impl Pod {
                     "kubelet: SIGKILL to {} (grace period over)",
                     running.name
                 ));
+                // SAFETY: kill(2); the init's end takes the whole PID namespace with it.
+                unsafe { libc::kill(running.init as i32, libc::SIGKILL) };
                 let _ = running.child.kill();
                 killed = Some(running.name.clone());
                 break running.child.wait().unwrap();
@@ -569,7 +588,12 @@ impl Pod {
         let deadline = Instant::now() + self.grace();
         let (hook, _, _) = self.stop(running, Instant::now(), deadline);
         let restarted = self.start_container(&spec);
-        let code = self.run_hook(&spec, "postStart", Instant::now() + Duration::from_secs(60));
+        let code = self.run_hook(
+            &spec,
+            restarted.init,
+            "postStart",
+            Instant::now() + Duration::from_secs(60),
+        );
         assert!(code.is_none_or(|code| code == 0), "postStart failed");
         self.apps.insert(at, restarted);
         hook.and_then(|(_, _, code)| code)
@@ -583,6 +607,23 @@ impl Drop for Pod {
             let _ = running.child.wait();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The child that `unshare --fork` (pid `unshare`) started: the container's init.
+fn init_of(unshare: u32) -> u32 {
+    let children = format!("/proc/{unshare}/task/{unshare}/children");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let found = std::fs::read_to_string(&children).unwrap_or_default();
+        if let Some(pid) = found.split_whitespace().next() {
+            return pid.parse().unwrap();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "unshare {unshare} started no child"
+        );
+        thread::sleep(Duration::from_millis(1));
     }
 }
 
