@@ -20,7 +20,7 @@ use std::collections::{HashMap, HashSet};
 use std::io::{ErrorKind, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -45,26 +45,13 @@ fn injected_pod_spec(mode: &str, native: bool) -> serde_json::Value {
     let input = std::fs::read_to_string(here().join("tests/pod/deployment.yaml"))
         .unwrap()
         .replace("testapp:MODE", &format!("testapp:{mode}"));
-    let mut inject = Command::new(BIN);
-    inject.arg("inject");
-    if !native {
-        inject.arg("--native-sidecar=false");
-    }
-    let mut child = inject
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let output = child.wait_with_output().unwrap();
-    assert!(output.status.success(), "{output:?}");
-    let yaml = String::from_utf8(output.stdout).unwrap();
+    let args: &[&str] = if native {
+        &[]
+    } else {
+        &["--native-sidecar=false"]
+    };
+    let (code, yaml, err) = support::inject(&input, args);
+    assert_eq!(code, 0, "{err}");
     let document =
         serde_norway::Value::deserialize(serde_norway::Deserializer::from_str(&yaml)).unwrap();
     serde_json::to_value(document).unwrap()["spec"]["template"]["spec"].clone()

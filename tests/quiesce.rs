@@ -58,6 +58,20 @@ fn finish(mut child: Child, started: Instant) -> (ExitStatus, String, Duration) 
     (status, out, elapsed)
 }
 
+/// A proxy with an inbound route to a test backend and its control socket in a shared
+/// folder: (backend, folder, socket path, proxy).
+fn quiescable(test: &str) -> (Backend, PathBuf, String, Proxy) {
+    let backend = Backend::start();
+    let (dir, socket) = shared_dir(test);
+    let proxy = Proxy::start(&[
+        "--inbound",
+        &backend.route("127.0.0.1:0"),
+        "--drain-socket",
+        &socket,
+    ]);
+    (backend, dir, socket, proxy)
+}
+
 fn run_hook(hook: &str, socket: &str, args: &[&str]) -> (ExitStatus, String, Duration) {
     let started = Instant::now();
     finish(spawn_hook(hook, socket, args), started)
@@ -187,14 +201,7 @@ fn the_grace_period_bounds_the_inbound_drain_and_resets_the_rest() {
 
 #[test]
 fn poststart_after_a_container_restart_serves_inbound_again() {
-    let backend = Backend::start();
-    let (_dir, socket) = shared_dir("restart");
-    let proxy = Proxy::start(&[
-        "--inbound",
-        &backend.route("127.0.0.1:0"),
-        "--drain-socket",
-        &socket,
-    ]);
+    let (backend, _dir, socket, proxy) = quiescable("restart");
     let inbound = proxy.inbound[0];
     // The first start of the app container: nothing to resume.
     let (status, out, _) = run_hook("poststart", &socket, &[]);
@@ -231,14 +238,7 @@ fn poststart_after_a_container_restart_serves_inbound_again() {
 
 #[test]
 fn hooks_work_as_any_user_without_capabilities_and_only_through_the_socket() {
-    let backend = Backend::start();
-    let (_dir, socket) = shared_dir("uid");
-    let proxy = Proxy::start(&[
-        "--inbound",
-        &backend.route("127.0.0.1:0"),
-        "--drain-socket",
-        &socket,
-    ]);
+    let (_backend, _dir, socket, proxy) = quiescable("uid");
     // Nothing on the admin port starts a drain: no such endpoint, and the shutdown endpoint
     // is disabled by default.
     for (method, path) in [
@@ -299,14 +299,7 @@ fn hooks_work_as_any_user_without_capabilities_and_only_through_the_socket() {
 
 #[test]
 fn prestop_runs_the_containers_own_hook_after_the_drain() {
-    let backend = Backend::start();
-    let (dir, socket) = shared_dir("chain");
-    let proxy = Proxy::start(&[
-        "--inbound",
-        &backend.route("127.0.0.1:0"),
-        "--drain-socket",
-        &socket,
-    ]);
+    let (_backend, dir, socket, proxy) = quiescable("chain");
     let (status, out, _) = run_hook(
         "prestop",
         &socket,
@@ -343,14 +336,7 @@ fn prestop_runs_the_containers_own_hook_after_the_drain() {
 
 #[test]
 fn bad_requests_on_the_control_socket_get_an_error_and_change_nothing() {
-    let backend = Backend::start();
-    let (dir, socket) = shared_dir("bad");
-    let proxy = Proxy::start(&[
-        "--inbound",
-        &backend.route("127.0.0.1:0"),
-        "--drain-socket",
-        &socket,
-    ]);
+    let (_backend, dir, socket, proxy) = quiescable("bad");
     for request in [
         &b"shutdown\n"[..],
         b"\xff\xfe\n",
@@ -507,14 +493,7 @@ fn status_tells_why_the_pod_does_not_go_away() {
 /// once every app container's holder (left by `poststart --hold`) is gone.
 #[test]
 fn wait_for_apps_returns_once_every_holder_is_gone() {
-    let backend = Backend::start();
-    let (_dir, socket) = shared_dir("holders");
-    let proxy = Proxy::start(&[
-        "--inbound",
-        &backend.route("127.0.0.1:0"),
-        "--drain-socket",
-        &socket,
-    ]);
+    let (_backend, _dir, socket, proxy) = quiescable("holders");
     let mut holders: Vec<Child> = (0..2)
         .map(|_| {
             Command::new(BIN)

@@ -565,3 +565,27 @@ pub fn blackhole() -> (socket2::Socket, SocketAddr, Vec<TcpStream>) {
 pub fn skip(test: &str, why: &str) {
     let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
 }
+
+/// Runs `lameduck inject ARGS` on `input`; returns (status code, stdout, stderr).
+pub fn inject(input: &str, args: &[&str]) -> (i32, String, String) {
+    let mut child = Command::new(BIN)
+        .arg("inject")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8(output.stdout).unwrap(),
+        String::from_utf8(output.stderr).unwrap(),
+    )
+}
