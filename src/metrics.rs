@@ -270,6 +270,16 @@ impl Collector for StateCollector {
             None,
             ConstGauge::new(0.0f64).metric_type(),
         )?)?;
+
+        // The inbound quiesce of an app container's preStop hook (CONTRACT section 7).
+        ConstGauge::new(i64::from(self.drain.is_inbound_quiesced())).encode(
+            encoder.encode_descriptor(
+                "inbound_quiesced",
+                "1 while the inbound side is quiesced by an app container's preStop hook",
+                None,
+                ConstGauge::new(0i64).metric_type(),
+            )?,
+        )?;
         Ok(())
     }
 }

@@ -273,6 +273,23 @@ fn delete_under_load(tag: &str, mode: &str, native: bool) {
         Ok(running) => running,
         Err(why) => return support::skip(tag, why),
     };
+    // The app container as its spec says (the hooks run the same way): another user than the
+    // proxy's, no capabilities, a read-only root filesystem, the shared volume included.
+    let (code, out) = pod.exec(
+        "app",
+        &[
+            "sh",
+            "-c",
+            "id -u; grep CapBnd /proc/self/status; touch /tmp/lameduck-ro-check",
+        ],
+    );
+    assert_ne!(code, Some(0), "the root filesystem is writable: {out}");
+    assert!(
+        out.starts_with("1000\n")
+            && out.contains("CapBnd:\t0000000000000000")
+            && out.contains("Read-only"),
+        "{out}"
+    );
     let load = Load::start(&pod);
     std::thread::sleep(Duration::from_secs(1));
     load.deleted();

@@ -146,6 +146,7 @@ fn prestop_returns_once_inbound_has_drained_and_leaves_outbound_open() {
     );
 
     // Quiesced: inbound refused, outbound serving as before.
+    assert_eq!(proxy.metric("lameduck_inbound_quiesced"), 1.0);
     assert_eq!(try_connect(inbound), Attempt::Refused);
     let out = keep_alive_get(&mut idle_out, "/");
     assert_eq!((out.status, out.header("connection")), (200, None));
@@ -218,6 +219,7 @@ fn poststart_after_a_container_restart_serves_inbound_again() {
         assert!(status.success(), "round {round}: {out}");
         assert!(out.contains("ok inbound side serving again"), "{out}");
         assert_eq!(proxy.get("/ready").status, 200);
+        assert_eq!(proxy.metric("lameduck_inbound_quiesced"), 0.0);
         let mut stream = send_raw(inbound, &get("/after-restart"));
         let response = read_response(&mut stream).unwrap();
         assert_eq!(

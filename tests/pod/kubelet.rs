@@ -8,8 +8,13 @@
 //!   command, args, env values and hook commands, is translated to the volume's folder, and a
 //!   path the image holds (`/usr/local/bin/lameduck`) to the file the test gives for it.
 //!   Nothing else of the spec is rewritten.
-//! - `runAsUser`/`runAsGroup` are honoured (setuid in the child, no supplementary groups);
-//!   `allowPrivilegeEscalation: false` sets no_new_privs.
+//! - Each container is the init of a PID namespace of its own, and its hooks run inside it
+//!   (as a runtime's exec does), so that what a hook leaves behind dies with the container.
+//! - `runAsUser`/`runAsGroup` are honoured (no supplementary groups), `allowPrivilegeEscalation:
+//!   false` sets no_new_privs, `capabilities: {drop: [ALL]}` empties the bounding and
+//!   inheritable sets (setpriv), and `readOnlyRootFilesystem: true` gives the container (and its
+//!   hooks) a mount namespace whose root is read-only, but for the volumes it mounts
+//!   read-write.
 //! - Start: init containers in order; one with `restartPolicy: Always` (a native sidecar) is
 //!   left running once its startup probe (httpGet) passes; then the app containers, each with
 //!   its postStart hook (exec).
@@ -281,23 +286,52 @@ impl Pod {
         let uid = security["runAsUser"].as_u64();
         let gid = security["runAsGroup"].as_u64().or(uid);
         let no_new_privs = security["allowPrivilegeEscalation"] == false;
+        let drop_all = security["capabilities"]["drop"]
+            .as_array()
+            .is_some_and(|drop| drop.iter().any(|cap| cap == "ALL"));
+        let read_only = security["readOnlyRootFilesystem"] == true;
         let mut wrapped: Vec<String> = match init {
-            None => ["unshare", "--pid", "--fork", "--kill-child", "--"]
-                .map(String::from)
-                .to_vec(),
-            Some(pid) => vec![
-                "nsenter".into(),
-                format!("--target={pid}"),
-                "--pid".into(),
-                "--".into(),
-            ],
+            None => {
+                let mut unshare: Vec<String> = ["unshare", "--pid", "--fork", "--kill-child"]
+                    .map(String::from)
+                    .to_vec();
+                if read_only {
+                    // The volumes the container mounts read-write stay so (a bind mount of
+                    // their own); the rest of the root, read-only volumes included, is not.
+                    let mut script = String::new();
+                    for mount in container["volumeMounts"].as_array().into_iter().flatten() {
+                        if mount["readOnly"] != true {
+                            let dir = self.volumes[mount["name"].as_str().unwrap()].display();
+                            script.push_str(&format!("mount --bind '{dir}' '{dir}' && "));
+                        }
+                    }
+                    script.push_str("mount -o remount,bind,ro / && exec \"$0\" \"$@\"");
+                    unshare.extend(["--mount", "--", "sh", "-c"].map(String::from));
+                    unshare.push(script);
+                } else {
+                    unshare.push("--".into());
+                }
+                unshare
+            }
+            Some(pid) => {
+                let mut nsenter = vec!["nsenter".into(), format!("--target={pid}"), "--pid".into()];
+                if read_only {
+                    nsenter.push("--mount".into());
+                }
+                nsenter.push("--".into());
+                nsenter
+            }
         };
-        if uid.is_some() || no_new_privs {
+        if uid.is_some() || no_new_privs || drop_all {
             wrapped.push("setpriv".into());
             if let (Some(uid), Some(gid)) = (uid, gid) {
                 wrapped.push(format!("--reuid={uid}"));
                 wrapped.push(format!("--regid={gid}"));
                 wrapped.push("--clear-groups".into());
+            }
+            if drop_all {
+                wrapped.push("--inh-caps=-all".into());
+                wrapped.push("--bounding-set=-all".into());
             }
             if no_new_privs {
                 wrapped.push("--no-new-privs".into());
@@ -570,6 +604,24 @@ impl Pod {
             running.name
         ));
         (hook, (running.name, started.elapsed(), status), killed)
+    }
+
+    /// Runs `argv` in a running app container, as `kubectl exec` does: its exit code and
+    /// output.
+    pub fn exec(&self, name: &str, argv: &[&str]) -> (Option<i32>, String) {
+        let running = self
+            .apps
+            .iter()
+            .find(|running| running.name == name)
+            .unwrap_or_else(|| panic!("no app container {name}"));
+        let argv: Vec<String> = argv.iter().map(|arg| arg.to_string()).collect();
+        let output = self
+            .command(&running.spec, &argv, Some(running.init))
+            .output()
+            .unwrap();
+        let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
+        text.push_str(&String::from_utf8_lossy(&output.stderr));
+        (output.status.code(), text)
     }
 
     /// Restarts one app container as after a failed liveness probe: preStop, SIGTERM, wait,
