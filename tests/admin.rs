@@ -395,6 +395,11 @@ fn shutdown_from_non_loopback_is_forbidden_whatever_the_headers_say() {
             assert_eq!(response.status, 403, "/connections {headers:?}");
             let response = request_from(outside, admin, "GET", "/status", headers);
             assert_eq!(response.status, 403, "/status {headers:?}");
+            // The inbound quiesce is not on the admin port at all (a Unix socket in the pod).
+            for path in ["/quiesce", "/drain", "/prestop"] {
+                let response = request_from(outside, admin, "POST", path, headers);
+                assert_eq!(response.status, 404, "{path} {headers:?}");
+            }
         }
         // A PROXY-protocol header claiming loopback is just a bad request line here.
         let socket =
