@@ -291,6 +291,9 @@ async fn drain_sequence(drain: &Drain, config: &Config) {
         drain.side(Direction::Inbound),
         drain.side(Direction::Outbound),
     );
+    // Closed at the trigger already; again here in case a resume (an app container's
+    // postStart) put a fresh inbound side in place in between.
+    inbound.tracker.close();
     inbound.go_away.cancel();
     if !after_inbound {
         outbound.go_away.cancel();
