@@ -504,31 +504,30 @@ fn wait_for_apps_returns_once_every_holder_is_gone() {
                 .unwrap()
         })
         .collect();
-    wait_until("both holders hold", PATIENCE, || {
-        proxy
-            .logs
-            .lines()
-            .iter()
-            .filter(|line| line.contains("holds the control socket"))
-            .count()
-            == 2
-    });
+    let holding = |count: usize| {
+        wait_until("the holders hold", PATIENCE, || {
+            proxy
+                .logs
+                .lines()
+                .iter()
+                .filter(|line| line.contains("holds the control socket"))
+                .count()
+                == count
+        })
+    };
+    holding(2);
     let started = Instant::now();
     let mut hook = spawn_hook("prestop", &socket, &["--wait-for-apps"]);
-    std::thread::sleep(Duration::from_millis(500));
-    assert!(
-        hook.try_wait().unwrap().is_none(),
-        "returned with two holders"
-    );
-    let _ = holders[0].kill();
-    let _ = holders[0].wait();
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(
-        hook.try_wait().unwrap().is_none(),
-        "returned with one holder"
-    );
-    let _ = holders[1].kill();
-    let _ = holders[1].wait();
+    for (index, holder) in holders.iter_mut().enumerate() {
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            hook.try_wait().unwrap().is_none(),
+            "returned with {} holders left",
+            2 - index
+        );
+        let _ = holder.kill();
+        let _ = holder.wait();
+    }
     let (status, out, _) = finish(hook, started);
     assert!(status.success(), "{out}");
     assert!(out.contains("ok inbound drained"), "{out}");
@@ -542,13 +541,5 @@ fn wait_for_apps_returns_once_every_holder_is_gone() {
         status.success() && out.contains("holds the proxy's socket"),
         "{out}"
     );
-    wait_until("the new holder holds", PATIENCE, || {
-        proxy
-            .logs
-            .lines()
-            .iter()
-            .filter(|line| line.contains("holds the control socket"))
-            .count()
-            == 3
-    });
+    holding(3);
 }
