@@ -175,6 +175,7 @@ impl Bound {
             metrics: metrics.clone(),
             connect_timeout: config.connect_timeout,
             http: config.http.clone(),
+            tcp: config.tcp,
             limit: Arc::new(tokio::sync::Semaphore::new(max_connections)),
         });
         let mut inbound_routes = Vec::new();

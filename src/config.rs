@@ -30,8 +30,18 @@ pub const DEFAULT_LAME_DUCK_PERIOD: Duration = Duration::ZERO;
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an `auto` route waits for a client's first bytes before forwarding it as TCP.
 pub const DEFAULT_DETECT_TIMEOUT: Duration = Duration::from_secs(1);
-/// How long an HTTP client may take to send a request's headers (slowloris).
+/// How long an HTTP client may take to send a request's headers (slowloris); for HTTP/2, from
+/// accept to the first request (preface, SETTINGS and the first header block).
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an HTTP/2 connection may stay without an open stream before GOAWAY. Between
+/// HAProxy's usual `timeout client` (30-50 s), nginx's `keepalive_timeout` (75 s) and Envoy's
+/// hour: long enough for a client pool to reuse the connection, short enough that idle
+/// connections do not pile up.
+pub const DEFAULT_H2_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a TCP stream or tunnel that one side has half-closed may go on with nothing from
+/// the other side: the kernel's own FIN_WAIT_2 bound (`tcp_fin_timeout`, 60 s); HAProxy's
+/// `timeout client-fin`/`server-fin` are usually 30 s.
+pub const DEFAULT_TCP_HALF_CLOSE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The largest request head (HTTP/1) or header list (HTTP/2) accepted, in bytes.
 pub const DEFAULT_MAX_HEADER_SIZE: usize = 64 * 1024;
 /// Bounds of `--http-max-header-size` (hyper needs at least 8 KiB of read buffer).
@@ -116,6 +126,23 @@ pub struct ProxyArgs {
     /// for no limit [env: LAMEDUCK_HTTP_RESPONSE_TIMEOUT] [default: 0s]
     #[arg(long, value_name = "DURATION")]
     pub http_response_timeout: Option<String>,
+
+    /// How long an HTTP/2 connection may stay without an open stream before it is asked to go
+    /// away (GOAWAY); 0s for no limit [env: LAMEDUCK_HTTP2_IDLE_TIMEOUT] [default: 60s]
+    #[arg(long, value_name = "DURATION")]
+    pub http2_idle_timeout: Option<String>,
+
+    /// How long a TCP stream or tunnel half-closed by one side may go on with nothing from the
+    /// other before both are reset; 0s for no limit [env: LAMEDUCK_TCP_HALF_CLOSE_TIMEOUT]
+    /// [default: 60s]
+    #[arg(long, value_name = "DURATION")]
+    pub tcp_half_close_timeout: Option<String>,
+
+    /// How long an opaque TCP stream or tunnel may move no byte either way before both sides
+    /// are reset; 0s for no limit (databases idle for long) [env: LAMEDUCK_TCP_IDLE_TIMEOUT]
+    /// [default: 0s]
+    #[arg(long, value_name = "DURATION")]
+    pub tcp_idle_timeout: Option<String>,
 
     /// Log filter, RUST_LOG syntax [env: LAMEDUCK_LOG, else RUST_LOG] [default: info]
     #[arg(long, value_name = "FILTER")]
@@ -225,6 +252,7 @@ pub struct Config {
     pub drain_socket: Option<PathBuf>,
     pub connect_timeout: Duration,
     pub http: HttpConfig,
+    pub tcp: TcpConfig,
     pub log_filter: String,
     pub log_format: LogFormat,
 }
@@ -238,6 +266,27 @@ pub struct HttpConfig {
     pub h2_max_concurrent_streams: u32,
     /// `None`: no limit.
     pub response_timeout: Option<Duration>,
+    /// An HTTP/2 connection without an open stream for this long gets GOAWAY; `None`: never.
+    pub h2_idle_timeout: Option<Duration>,
+}
+
+/// Bounds of opaque TCP streams and tunnels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpConfig {
+    /// Half-closed by one side, nothing from the other for this long: both reset. `None`: no
+    /// limit.
+    pub half_close_timeout: Option<Duration>,
+    /// No byte either way for this long: both reset. `None`: no limit (the default).
+    pub idle_timeout: Option<Duration>,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            half_close_timeout: Some(DEFAULT_TCP_HALF_CLOSE_TIMEOUT),
+            idle_timeout: None,
+        }
+    }
 }
 
 impl Default for HttpConfig {
@@ -248,6 +297,7 @@ impl Default for HttpConfig {
             max_header_size: DEFAULT_MAX_HEADER_SIZE,
             h2_max_concurrent_streams: DEFAULT_H2_MAX_CONCURRENT_STREAMS,
             response_timeout: None,
+            h2_idle_timeout: Some(DEFAULT_H2_IDLE_TIMEOUT),
         }
     }
 }
@@ -350,6 +400,21 @@ const RESPONSE_TIMEOUT: Setting = Setting {
     flag: "--http-response-timeout",
     var: "LAMEDUCK_HTTP_RESPONSE_TIMEOUT",
     example: "30s, or 0s for no limit",
+};
+const H2_IDLE_TIMEOUT: Setting = Setting {
+    flag: "--http2-idle-timeout",
+    var: "LAMEDUCK_HTTP2_IDLE_TIMEOUT",
+    example: "60s, or 0s for no limit",
+};
+const TCP_HALF_CLOSE_TIMEOUT: Setting = Setting {
+    flag: "--tcp-half-close-timeout",
+    var: "LAMEDUCK_TCP_HALF_CLOSE_TIMEOUT",
+    example: "60s, or 0s for no limit",
+};
+const TCP_IDLE_TIMEOUT: Setting = Setting {
+    flag: "--tcp-idle-timeout",
+    var: "LAMEDUCK_TCP_IDLE_TIMEOUT",
+    example: "1h, or 0s for no limit",
 };
 const LOG: Setting = Setting {
     flag: "--log",
@@ -529,10 +594,31 @@ impl Config {
                 }
             };
         }
-        if let Some(raw) = lookup(&RESPONSE_TIMEOUT, args.http_response_timeout)? {
-            let timeout = parse_duration(&raw, RESPONSE_TIMEOUT.example)?;
-            http.response_timeout = (!timeout.is_zero()).then_some(timeout);
-        }
+        // A limit that 0s turns off.
+        let optional =
+            |setting: &Setting, flag: Option<String>, default: Option<Duration>| match lookup(
+                setting, flag,
+            )? {
+                Some(raw) => {
+                    let timeout = parse_duration(&raw, setting.example)?;
+                    Ok::<_, ConfigError>((!timeout.is_zero()).then_some(timeout))
+                }
+                None => Ok(default),
+            };
+        http.response_timeout = optional(&RESPONSE_TIMEOUT, args.http_response_timeout, None)?;
+        http.h2_idle_timeout = optional(
+            &H2_IDLE_TIMEOUT,
+            args.http2_idle_timeout,
+            Some(DEFAULT_H2_IDLE_TIMEOUT),
+        )?;
+        let tcp = TcpConfig {
+            half_close_timeout: optional(
+                &TCP_HALF_CLOSE_TIMEOUT,
+                args.tcp_half_close_timeout,
+                Some(DEFAULT_TCP_HALF_CLOSE_TIMEOUT),
+            )?,
+            idle_timeout: optional(&TCP_IDLE_TIMEOUT, args.tcp_idle_timeout, None)?,
+        };
         let log_filter = match lookup(&LOG, args.log)? {
             Some(raw) => Some(raw),
             None => env_value(&env, "RUST_LOG", LOG.example)?,
@@ -565,6 +651,7 @@ impl Config {
             drain_socket,
             connect_timeout,
             http,
+            tcp,
             log_filter,
             log_format,
         })
@@ -909,6 +996,44 @@ mod tests {
         )
         .unwrap();
         assert_eq!(flagged.shutdown_grace_period, Duration::from_secs(7));
+    }
+
+    #[test]
+    fn idle_bounds_default_turn_off_with_zero_and_name_their_setting() {
+        let defaults = config(ProxyArgs::default(), &[]).unwrap();
+        assert_eq!(defaults.http.h2_idle_timeout, Some(DEFAULT_H2_IDLE_TIMEOUT));
+        assert_eq!(
+            defaults.tcp.half_close_timeout,
+            Some(DEFAULT_TCP_HALF_CLOSE_TIMEOUT)
+        );
+        assert_eq!(defaults.tcp.idle_timeout, None, "databases idle for long");
+        let set = config(
+            ProxyArgs {
+                http2_idle_timeout: Some("0s".into()),
+                tcp_idle_timeout: Some("1h".into()),
+                ..Default::default()
+            },
+            &[("LAMEDUCK_TCP_HALF_CLOSE_TIMEOUT", "0s")],
+        )
+        .unwrap();
+        assert_eq!(set.http.h2_idle_timeout, None);
+        assert_eq!(set.tcp.half_close_timeout, None);
+        assert_eq!(set.tcp.idle_timeout, Some(Duration::from_secs(3600)));
+        let error = config(
+            ProxyArgs::default(),
+            &[("LAMEDUCK_TCP_IDLE_TIMEOUT", "soon")],
+        )
+        .unwrap_err();
+        assert_eq!(error.setting, "LAMEDUCK_TCP_IDLE_TIMEOUT");
+        let error = config(
+            ProxyArgs {
+                http2_idle_timeout: Some("10".into()),
+                ..Default::default()
+            },
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(error.setting, "--http2-idle-timeout");
     }
 
     #[test]

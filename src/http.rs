@@ -35,10 +35,15 @@ use tracing::{Instrument as _, debug};
 use crate::conns::{ConnProtocol, ConnState, Connection, Registration};
 use crate::drain::{Cancelled, ConnTokens};
 use crate::listener::{RouteHandle, Shared};
+use crate::metrics::Timeout;
 use crate::proxy;
+use crate::quiet::Quiet;
 
 /// How long a closing connection keeps reading (and discarding) after its FIN.
 const LINGER: Duration = Duration::from_secs(2);
+/// After a timeout's GOAWAY, how long an HTTP/2 client has to acknowledge it (h2 closes once
+/// its PING is answered) before the connection is reset: a stalled client never does.
+const H2_CLOSE_WAIT: Duration = Duration::from_secs(1);
 
 /// How long an HTTP/1 keep-alive connection waits for its next request before it is parked
 /// (its hyper connection and buffers dropped; see [`serve_http1`]). A connection whose requests
@@ -394,7 +399,21 @@ async fn serve_http2(
     };
     tokio::pin!(go_away);
     let mut sent_go_away = false;
+    // The bounds on a connection in which nothing moves (CONTRACT: every state has one): the
+    // first request must come within the header read timeout of the accept (preface,
+    // SETTINGS, a complete header block); later the connection may stay without an open
+    // stream for the idle timeout. Either way it is asked to go away, and reset if it has not
+    // closed a linger later.
+    let first_request_by =
+        tokio::time::Instant::from_std(ctx.conn().opened_at) + config.header_read_timeout;
+    let started = || ctx.requests_started.load(Ordering::Acquire);
+    let busy = || ctx.conn().requests_in_flight.load(Ordering::Acquire) > 0;
+    let mut idle = config
+        .h2_idle_timeout
+        .map(|limit| Quiet::new(limit, started()));
+    let mut closed_by: Option<tokio::time::Instant> = None;
     loop {
+        let first_seen = ctx.requests_seen.load(Ordering::Acquire);
         tokio::select! {
             // The client closed, every stream finished after GOAWAY, or the connection failed.
             served = connection.as_mut() => {
@@ -407,6 +426,39 @@ async fn serve_http2(
             () = &mut go_away, if !sent_go_away => {
                 sent_go_away = true;
                 connection.as_mut().graceful_shutdown();
+            }
+            // No first request in time: a client stalled in the preface, its SETTINGS or its
+            // first header block.
+            () = tokio::time::sleep_until(first_request_by), if !first_seen && !sent_go_away => {
+                if ctx.requests_seen.load(Ordering::Acquire) {
+                    // It came after this loop last looked.
+                    continue;
+                }
+                debug!("HTTP/2: no first request within the header read timeout; closing");
+                ctx.shared.metrics.timed_out(Timeout::Http2FirstRequest);
+                sent_go_away = true;
+                connection.as_mut().graceful_shutdown();
+                closed_by = Some(tokio::time::Instant::now() + H2_CLOSE_WAIT);
+            }
+            // No open stream for the idle timeout.
+            () = async { idle.as_mut().expect("guarded").expired(started, busy).await },
+                if idle.is_some() && !sent_go_away => {
+                debug!("HTTP/2: idle for the idle timeout; GOAWAY");
+                ctx.shared.metrics.timed_out(Timeout::Http2Idle);
+                sent_go_away = true;
+                connection.as_mut().graceful_shutdown();
+                closed_by = Some(tokio::time::Instant::now() + H2_CLOSE_WAIT);
+            }
+            // Asked to go away for a timeout, and still not closed: stalled, unless a stream
+            // that came in with the GOAWAY is being served (it finishes, then h2 closes).
+            () = async { tokio::time::sleep_until(closed_by.expect("guarded")).await },
+                if closed_by.is_some() => {
+                if busy() {
+                    closed_by = None;
+                    continue;
+                }
+                reset_fd(fd);
+                return true;
             }
             // The grace period ran out, or a second signal.
             _ = ctx.terminate.cancelled() => {

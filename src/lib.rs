@@ -8,6 +8,7 @@
 //! - [`listener`]: binding and the accept loop, with back-off on exhausted resources;
 //! - [`detect`]: telling HTTP/1, HTTP/2 and opaque TCP apart by peeking;
 //! - [`tcp`]: opaque TCP forwarding with half-close and byte counting;
+//! - [`quiet`]: the bound on states in which nothing moves (idle HTTP/2, half-closed TCP);
 //! - [`http`]: serving and draining HTTP/1 and HTTP/2 connections;
 //! - [`proxy`]: the HTTP proxy service (hop-by-hop headers, errors, upgrades);
 //! - [`upstream`]: pooled HTTP clients towards each route's target;
@@ -35,6 +36,7 @@ pub mod logging;
 pub mod metrics;
 pub mod proxy;
 pub mod quiesce;
+pub mod quiet;
 pub mod signals;
 pub mod status;
 pub mod tcp;

@@ -20,7 +20,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{Instrument, debug, info, warn};
 
-use crate::config::{HttpConfig, Protocol, Route};
+use crate::config::{HttpConfig, Protocol, Route, TcpConfig};
 use crate::conns::{ConnProtocol, Connections, Registration};
 use crate::detect::{self, Detected};
 use crate::drain::{ConnTokens, Drain, Side};
@@ -64,6 +64,7 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     pub connect_timeout: Duration,
     pub http: HttpConfig,
+    pub tcp: TcpConfig,
     /// One permit per open proxy connection, sized from the file-descriptor limit; the accept
     /// loops take a permit before accepting, and each connection's registration holds its own.
     pub limit: Arc<Semaphore>,

@@ -30,6 +30,30 @@ const DURATION_BUCKETS: [f64; 14] = [
 ];
 type DirectionLabel = [(&'static str, &'static str); 1];
 
+/// Which bound closed a connection in which nothing moved.
+#[derive(Clone, Copy, Debug)]
+pub enum Timeout {
+    /// HTTP/2: no first request within the header read timeout after accept.
+    Http2FirstRequest,
+    /// HTTP/2: no open stream for the idle timeout.
+    Http2Idle,
+    /// TCP or tunnel: half-closed by one side, nothing from the other.
+    TcpHalfClose,
+    /// TCP or tunnel: no byte either way.
+    TcpIdle,
+}
+
+impl Timeout {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Timeout::Http2FirstRequest => "http2_first_request",
+            Timeout::Http2Idle => "http2_idle",
+            Timeout::TcpHalfClose => "tcp_half_close",
+            Timeout::TcpIdle => "tcp_idle",
+        }
+    }
+}
+
 /// Why connecting to a target failed.
 #[derive(Clone, Copy, Debug)]
 pub enum ConnectFailure {
@@ -57,6 +81,7 @@ pub struct Metrics {
     connect_failures: Family<Labels, Counter>,
     accept_errors: Family<DirectionLabel, Counter>,
     force_closed: Counter,
+    timeouts: Family<[(&'static str, &'static str); 1], Counter>,
     /// `[direction][status class 1xx..5xx]`, resolved once so a request only adds to a counter.
     requests: [[Counter; 5]; 2],
     request_durations: [Histogram; 2],
@@ -88,6 +113,12 @@ impl Metrics {
             "connections_force_closed",
             "Connections reset because the grace period ran out or a second signal arrived",
             force_closed.clone(),
+        );
+        let timeouts = Family::<[(&'static str, &'static str); 1], Counter>::default();
+        registry.register(
+            "timeouts",
+            "Connections closed because nothing moved for a bound, by timeout",
+            timeouts.clone(),
         );
         let request_family = Family::<Labels, Counter>::default();
         registry.register(
@@ -122,9 +153,16 @@ impl Metrics {
             connect_failures,
             accept_errors,
             force_closed,
+            timeouts,
             requests,
             request_durations,
         }
+    }
+
+    pub fn timed_out(&self, timeout: Timeout) {
+        self.timeouts
+            .get_or_create(&[("timeout", timeout.as_str())])
+            .inc();
     }
 
     pub fn connection_opened(&self, direction: Direction, protocol: ConnProtocol) {

@@ -472,6 +472,7 @@ fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade) {
         .side(ctx.conn().direction())
         .tracker
         .clone();
+    let shared = ctx.shared.clone();
     let tunnel = async move {
         let (client, target) = match tokio::try_join!(client, target) {
             Ok(pair) => pair,
@@ -501,7 +502,7 @@ fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade) {
                     .fetch_add(client.read_buf.len() as u64, Ordering::Relaxed);
                 conn.bytes_to_peer
                     .fetch_add(target.read_buf.len() as u64, Ordering::Relaxed);
-                tcp::pipe(client_stream, target_stream, conn, &terminate).await;
+                tcp::pipe(client_stream, target_stream, conn, &terminate, &shared).await;
             }
             _ => debug!("upgraded connections of unexpected types; closing the tunnel"),
         }

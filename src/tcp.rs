@@ -9,7 +9,7 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::net::TcpStream;
@@ -20,7 +20,8 @@ use crate::config::Target;
 use crate::conns::{ConnProtocol, ConnState, Connection, Registration};
 use crate::drain::ConnTokens;
 use crate::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, Shared, is_resource_exhaustion};
-use crate::metrics::ConnectFailure;
+use crate::metrics::{ConnectFailure, Timeout};
+use crate::quiet::Quiet;
 
 /// Forwards one accepted connection until both sides close, one fails, or the drain terminates it.
 pub async fn forward(
@@ -59,16 +60,19 @@ pub async fn forward(
     conn.set_state(ConnState::Open);
     debug!("forwarding");
 
-    pipe(client, target, conn, &tokens.terminate).await;
+    pipe(client, target, conn, &tokens.terminate, shared).await;
 }
 
-/// Copies between a client and a target until both finish, one fails (both are reset), or
-/// `terminate` is cancelled (both are reset). Used for TCP routes and for HTTP tunnels.
+/// Copies between a client and a target until both finish, one fails (both are reset), a
+/// bound of `shared.tcp` is met (both are reset: half-closed by one side with nothing from the
+/// other, or idle), or `terminate` is cancelled (both are reset). Used for TCP routes and for
+/// HTTP tunnels.
 pub async fn pipe(
     client: TcpStream,
     target: TcpStream,
     conn: &Arc<Connection>,
     terminate: &CancellationToken,
+    shared: &Shared,
 ) {
     let upstream = copy_one_way(&client, &target, &conn.bytes_from_peer, || {
         conn.set_state(ConnState::PeerClosed)
@@ -76,11 +80,57 @@ pub async fn pipe(
     let downstream = copy_one_way(&target, &client, &conn.bytes_to_peer, || {
         conn.set_state(ConnState::TargetClosed)
     });
-    let outcome = tokio::select! {
-        // The grace period ran out, or a second signal asked to stop now.
-        _ = terminate.cancelled() => Err(io::Error::other("terminated by the shutdown")),
-        // Both directions finished, or one of them failed.
-        copied = async { tokio::try_join!(upstream, downstream) } => copied.map(|_| ()),
+    tokio::pin!(upstream, downstream);
+    let (mut upstream_done, mut downstream_done) = (false, false);
+    let from_peer = || conn.bytes_from_peer.load(Ordering::Relaxed);
+    let to_peer = || conn.bytes_to_peer.load(Ordering::Relaxed);
+    let moved = || from_peer() + to_peer();
+    let mut idle = shared
+        .tcp
+        .idle_timeout
+        .map(|limit| Quiet::new(limit, moved()));
+    // Once one direction has finished: the bound on the other, and its counter.
+    let mut half_closed: Option<(Quiet, &AtomicU64)> = None;
+    let outcome = loop {
+        tokio::select! {
+            // The grace period ran out, or a second signal asked to stop now.
+            _ = terminate.cancelled() => break Err(io::Error::other("terminated by the shutdown")),
+            // The client finished sending (FIN passed on), or failed.
+            copied = &mut upstream, if !upstream_done => match copied {
+                Err(error) => break Err(error),
+                Ok(()) if downstream_done => break Ok(()),
+                Ok(()) => {
+                    upstream_done = true;
+                    half_closed = shared.tcp.half_close_timeout
+                        .map(|limit| (Quiet::new(limit, to_peer()), &conn.bytes_to_peer));
+                }
+            },
+            // The target finished sending (FIN passed on), or failed.
+            copied = &mut downstream, if !downstream_done => match copied {
+                Err(error) => break Err(error),
+                Ok(()) if upstream_done => break Ok(()),
+                Ok(()) => {
+                    downstream_done = true;
+                    half_closed = shared.tcp.half_close_timeout
+                        .map(|limit| (Quiet::new(limit, from_peer()), &conn.bytes_from_peer));
+                }
+            },
+            // Half-closed, and the other side sent nothing for the bound.
+            () = async {
+                let (quiet, counter) = half_closed.as_mut().expect("guarded");
+                quiet.expired(|| counter.load(Ordering::Relaxed), || false).await;
+            }, if half_closed.is_some() => {
+                shared.metrics.timed_out(Timeout::TcpHalfClose);
+                break Err(io::Error::new(io::ErrorKind::TimedOut, "half-closed, and nothing from the other side"));
+            }
+            // No byte either way for the bound.
+            () = async {
+                idle.as_mut().expect("guarded").expired(moved, || false).await;
+            }, if idle.is_some() => {
+                shared.metrics.timed_out(Timeout::TcpIdle);
+                break Err(io::Error::new(io::ErrorKind::TimedOut, "idle"));
+            }
+        }
     };
     match outcome {
         Ok(()) => debug!(
