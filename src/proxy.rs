@@ -21,8 +21,8 @@ use futures_util::FutureExt;
 use futures_util::future::Either;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::header::{
-    CONNECTION, CONTENT_TYPE, HOST, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING,
-    UPGRADE,
+    CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, HOST, HeaderMap, HeaderName, HeaderValue, TE,
+    TRANSFER_ENCODING, UPGRADE,
 };
 use hyper::upgrade::OnUpgrade;
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
@@ -78,6 +78,16 @@ fn forward(
     mut body_watch: Option<RequestBody>,
 ) -> impl Future<Output = Result<Response<ProxyBody>, Infallible>> {
     async move {
+        if let Err((status, why)) = check_framing(&request, ctx.version) {
+            let mut response = error_response(&ctx, status, why, in_flight);
+            if ctx.version == HttpVersion::Http1 {
+                // The rest of what the client sent cannot be trusted to be framed right.
+                response
+                    .headers_mut()
+                    .insert(CONNECTION, HeaderValue::from_static("close"));
+            }
+            return Ok(response);
+        }
         let version = request.version();
         let upgrading = ctx.version == HttpVersion::Http1 && wants_upgrade(&request);
         let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut request));
@@ -158,6 +168,12 @@ fn forward(
                 if response.status() == StatusCode::SWITCHING_PROTOCOLS
                     || is_connect_success(&response) =>
             {
+                // A 2xx to CONNECT has no body, whatever its headers say (RFC 9110 section
+                // 9.3.6): the tunnel starts right after the head.
+                if response.status().is_success() {
+                    response.headers_mut().remove(CONTENT_LENGTH);
+                    response.headers_mut().remove(TRANSFER_ENCODING);
+                }
                 let target_upgrade = hyper::upgrade::on(&mut response);
                 spawn_tunnel(&ctx, client_upgrade, target_upgrade);
                 true
@@ -302,6 +318,76 @@ fn wants_upgrade(request: &Request<Incoming>) -> bool {
             .any(|value| tokens(value).any(|token| token.eq_ignore_ascii_case("upgrade")))
 }
 
+/// Request framing that RFC 9112 and RFC 9110 refuse and hyper lets through: more than one
+/// `Host` (400), a transfer coding other than `chunked` (501) or `chunked` twice (400), and a
+/// CONNECT whose target is not `host:port` (400).
+fn check_framing(
+    request: &Request<Incoming>,
+    version: HttpVersion,
+) -> Result<(), (StatusCode, String)> {
+    let headers = request.headers();
+    let bad = |why: &str| Err((StatusCode::BAD_REQUEST, format!("bad request: {why}\n")));
+    if version == HttpVersion::Http1 {
+        let mut hosts = headers.get_all(HOST).iter();
+        if hosts.next().is_some() && hosts.next().is_some() {
+            return bad("more than one Host");
+        }
+        let mut chunked = 0;
+        for value in headers.get_all(TRANSFER_ENCODING) {
+            let Ok(codings) = value.to_str() else {
+                return bad("Transfer-Encoding is not text");
+            };
+            for coding in codings.split(',').map(str::trim) {
+                if coding.eq_ignore_ascii_case("chunked") {
+                    chunked += 1;
+                } else {
+                    return Err((
+                        StatusCode::NOT_IMPLEMENTED,
+                        format!("not implemented: transfer coding {coding:?}\n"),
+                    ));
+                }
+            }
+        }
+        if chunked > 1 {
+            return bad("chunked applied more than once");
+        }
+    }
+    if request.method() == Method::CONNECT
+        && !request
+            .uri()
+            .authority()
+            .is_some_and(|authority| is_host_and_port(authority.as_str()))
+    {
+        return bad("CONNECT needs a host:port");
+    }
+    Ok(())
+}
+
+/// `host:port` with a DNS name (letters, digits, `-` and `.`), an IPv4 address or a bracketed
+/// IPv6 address, and a port from 1 to 65535; no user information.
+fn is_host_and_port(authority: &str) -> bool {
+    let Some((host, port)) = authority.rsplit_once(':') else {
+        return false;
+    };
+    let port_ok = port.parse::<u16>().is_ok_and(|port| port > 0);
+    let host_ok = match host
+        .strip_prefix('[')
+        .and_then(|rest| rest.strip_suffix(']'))
+    {
+        Some(ipv6) => ipv6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => {
+            !host.is_empty()
+                && host.split('.').all(|label| {
+                    !label.is_empty()
+                        && label
+                            .bytes()
+                            .all(|byte| byte.is_ascii_alphanumeric() || byte == b'-')
+                })
+        }
+    };
+    port_ok && host_ok
+}
+
 fn is_connect_success(response: &Response<Incoming>) -> bool {
     response.status().is_success()
         && response
@@ -388,16 +474,25 @@ fn origin_form(request: &mut Request<Incoming>, target: &str) -> Result<(), ()> 
     }
     let uri = request.uri();
     let absolute = uri.scheme().is_some() && uri.authority().is_some();
-    match request.headers().get(HOST) {
-        Some(host) if !absolute => {
+    match (
+        uri.authority().filter(|_| absolute),
+        request.headers().get(HOST),
+    ) {
+        // Absolute form: the target's authority is the host, whatever `Host` says (RFC 9112
+        // section 3.2.2), without user information.
+        (Some(authority), _) => {
+            let host = match authority.port() {
+                Some(port) => format!("{}:{port}", authority.host()),
+                None => authority.host().to_string(),
+            };
+            let host = HeaderValue::from_str(&host).map_err(|_| ())?;
+            request.headers_mut().insert(HOST, host);
+        }
+        (None, Some(host)) => {
             hyper::http::uri::Authority::try_from(host.as_bytes()).map_err(|_| ())?;
         }
-        Some(_) => {}
-        None => {
-            let authority = uri
-                .authority()
-                .map_or(target, |authority| authority.as_str());
-            let host = HeaderValue::from_str(authority).map_err(|_| ())?;
+        (None, None) => {
+            let host = HeaderValue::from_str(target).map_err(|_| ())?;
             request.headers_mut().insert(HOST, host);
         }
     }
