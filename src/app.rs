@@ -165,6 +165,7 @@ impl Bound {
         info!(listen = %admin_addr, shutdown_endpoint = config.shutdown_endpoint, "admin server listening");
 
         let max_connections = listener::connection_limit();
+        metrics.set_connection_limit(max_connections);
         info!(
             max_connections,
             "connection limit from the file-descriptor limit"

@@ -126,6 +126,7 @@ async fn room_for_one_more(
     if let Ok(permit) = shared.limit.clone().try_acquire_owned() {
         return Some(permit);
     }
+    shared.metrics.limit_reached();
     if logged.is_none_or(|last| last.elapsed() >= ACCEPT_ERROR_LOG_INTERVAL) {
         warn!(
             listen = %route.listen,

@@ -12,7 +12,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -81,6 +81,8 @@ pub struct Metrics {
     connect_failures: Family<Labels, Counter>,
     accept_errors: Family<DirectionLabel, Counter>,
     force_closed: Counter,
+    connection_limit: Gauge,
+    limit_waits: Counter,
     timeouts: Family<[(&'static str, &'static str); 1], Counter>,
     /// `[direction][status class 1xx..5xx]`, resolved once so a request only adds to a counter.
     requests: [[Counter; 5]; 2],
@@ -113,6 +115,18 @@ impl Metrics {
             "connections_force_closed",
             "Connections reset because the grace period ran out or a second signal arrived",
             force_closed.clone(),
+        );
+        let connection_limit = Gauge::default();
+        registry.register(
+            "connection_limit",
+            "Open proxy connections allowed at once (from the file-descriptor limit)",
+            connection_limit.clone(),
+        );
+        let limit_waits = Counter::default();
+        registry.register(
+            "connection_limit_waits",
+            "Times an accept loop found the connection limit reached and let new connections wait in the listen queue",
+            limit_waits.clone(),
         );
         let timeouts = Family::<[(&'static str, &'static str); 1], Counter>::default();
         registry.register(
@@ -153,10 +167,22 @@ impl Metrics {
             connect_failures,
             accept_errors,
             force_closed,
+            connection_limit,
+            limit_waits,
             timeouts,
             requests,
             request_durations,
         }
+    }
+
+    pub fn set_connection_limit(&self, limit: usize) {
+        self.connection_limit
+            .set(i64::try_from(limit).unwrap_or(i64::MAX));
+    }
+
+    /// An accept loop waits for a place under the connection limit.
+    pub fn limit_reached(&self) {
+        self.limit_waits.inc();
     }
 
     pub fn timed_out(&self, timeout: Timeout) {

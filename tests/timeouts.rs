@@ -239,3 +239,50 @@ fn the_tcp_idle_timeout_resets_streams_that_move_nothing_when_it_is_set() {
         1.0
     );
 }
+
+/// Stalled clients cannot fill the connection limit for free: with a descriptor limit that
+/// allows 16 connections, 16 HTTP/2 clients stalled after the preface take every place, a
+/// good client waits in the listen queue (not refused, not dropped), and is served once the
+/// stalled ones are closed at their bound.
+#[test]
+fn stalled_clients_fill_the_connection_limit_only_until_their_bound() {
+    let backend = Backend::start();
+    let mut cmd = support::command_with_fd_limit(64);
+    let proxy = Proxy::start_command(
+        &mut cmd,
+        &[
+            "--inbound",
+            &format!("127.0.0.1:0={}/http", backend.addr),
+            "--http-header-read-timeout",
+            "1s",
+        ],
+    );
+    let limit = proxy.metric("lameduck_connection_limit") as usize;
+    assert_eq!(limit, (64 - 32) / 2);
+    let addr = proxy.inbound[0];
+    let stalled: Vec<TcpStream> = (0..limit)
+        .map(|_| {
+            let mut stream = TcpStream::connect(addr).unwrap();
+            stream.write_all(PREFACE).unwrap();
+            stream
+        })
+        .collect();
+    support::wait_until("every place is taken", PATIENCE, || {
+        proxy.get("/connections").body.matches("\"id\"").count() == limit
+    });
+    let since = Instant::now();
+    let mut good = send_raw(addr, &get("/good"));
+    let response = read_response(&mut good).unwrap();
+    assert_eq!(response.status, 200);
+    let waited = since.elapsed();
+    assert!(
+        waited <= BOUND + SLACK,
+        "the good client waited {waited:?}, longer than the stalled clients' bound"
+    );
+    assert!(proxy.metric("lameduck_connection_limit_waits_total") >= 1.0);
+    assert_eq!(
+        proxy.metric("lameduck_timeouts_total{timeout=\"http2_first_request\"}") as usize,
+        limit
+    );
+    drop(stalled);
+}
