@@ -248,7 +248,7 @@ pub struct Config {
     pub lame_duck_period: Duration,
     pub outbound_shutdown: OutboundShutdown,
     pub shutdown_endpoint: bool,
-    /// The control socket of the inbound quiesce (CONTRACT section 7).
+    /// The control socket of the inbound quiesce (docs/pod-lifecycle.md).
     pub drain_socket: Option<PathBuf>,
     pub connect_timeout: Duration,
     pub http: HttpConfig,

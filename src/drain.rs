@@ -82,7 +82,7 @@ impl Phase {
 /// The shutdown state of one direction's listeners and connections.
 ///
 /// The outbound side has one for the life of the process. The inbound side has a new one each
-/// time it serves again after a quiesce (an app container restarted, CONTRACT section 7): the
+/// time it serves again after a quiesce (an app container restarted, docs/pod-lifecycle.md): the
 /// connections and listeners of the old one drain on as they were.
 #[derive(Debug)]
 pub struct Side {
@@ -152,7 +152,7 @@ pub struct Drain {
     /// The inbound side serving now (replaced when it serves again after a quiesce).
     inbound: Mutex<Arc<Side>>,
     outbound: Arc<Side>,
-    /// When the inbound side was quiesced (CONTRACT section 7), while it is: `/ready` answers
+    /// When the inbound side was quiesced (docs/pod-lifecycle.md), while it is: `/ready` answers
     /// 503.
     inbound_quiesced: Mutex<Option<Instant>>,
     /// Cancelled by `app::run` when the grace period runs out or a second signal arrives:

@@ -1,5 +1,5 @@
 //! `lameduck prestop` and `lameduck poststart`: the app containers' lifecycle hooks that
-//! `lameduck inject` writes (CONTRACT section 7). They run lameduck's own binary from the pod's
+//! `lameduck inject` writes (docs/pod-lifecycle.md). They run lameduck's own binary from the pod's
 //! shared volume inside the app container, and talk to the proxy over the control socket in
 //! that volume (see [`crate::quiesce`]).
 //!

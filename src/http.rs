@@ -399,11 +399,11 @@ async fn serve_http2(
     };
     tokio::pin!(go_away);
     let mut sent_go_away = false;
-    // The bounds on a connection in which nothing moves (CONTRACT: every state has one): the
-    // first request must come within the header read timeout of the accept (preface,
-    // SETTINGS, a complete header block); later the connection may stay without an open
-    // stream for the idle timeout. Either way it is asked to go away, and reset if it has not
-    // closed a linger later.
+    // The bounds on a connection in which nothing moves (docs/timeouts.md): the first request
+    // must come within the header read timeout of the accept (preface, SETTINGS, a complete
+    // header block); later the connection may stay without an open stream for the idle
+    // timeout. Either way it is asked to go away, and reset if it has not closed
+    // H2_CLOSE_WAIT later.
     let first_request_by =
         tokio::time::Instant::from_std(ctx.conn().opened_at) + config.header_read_timeout;
     let started = || ctx.requests_started.load(Ordering::Acquire);

@@ -14,7 +14,7 @@
 //!   gets a `preStop` hook (`lameduck prestop`: quiesce the proxy's inbound side and wait for
 //!   its drain, before the kubelet signals the app) and a `postStart` hook (`lameduck
 //!   poststart`: serve inbound again after a restart), chained with the container's own exec
-//!   or sleep hooks (CONTRACT section 7).
+//!   or sleep hooks (docs/pod-lifecycle.md).
 //! - The grace budget: the proxy's grace period comes from the annotation (ours, else
 //!   Linkerd's), else it is the pod's budget minus [`GRACE_MARGIN_SECONDS`]; it bounds the
 //!   inbound drain. `terminationGracePeriodSeconds` is raised to that grace period, plus the
@@ -420,7 +420,7 @@ fn settings<'a>(
     })
 }
 
-/// The `terminationGracePeriodSeconds` an injected pod needs (CONTRACT section 7): the inbound
+/// The `terminationGracePeriodSeconds` an injected pod needs (docs/pod-lifecycle.md): the inbound
 /// drain, which the preStop hook waits for and which the proxy bounds by its grace period (lame
 /// duck included); then the app's own shutdown, with the budget it had before injection; then
 /// the margin in which the proxy, signalled last, exits.

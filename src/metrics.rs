@@ -335,7 +335,7 @@ impl Collector for StateCollector {
             ConstGauge::new(0.0f64).metric_type(),
         )?)?;
 
-        // The inbound quiesce of an app container's preStop hook (CONTRACT section 7).
+        // The inbound quiesce of an app container's preStop hook (docs/pod-lifecycle.md).
         ConstGauge::new(i64::from(self.drain.is_inbound_quiesced())).encode(
             encoder.encode_descriptor(
                 "inbound_quiesced",

@@ -1,4 +1,4 @@
-//! The inbound side's quiesce, and its return to service (CONTRACT section 7).
+//! The inbound side's quiesce, and its return to service (docs/pod-lifecycle.md).
 //!
 //! In a pod, a native sidecar is signalled only after every app container has exited, so the
 //! proxy's own shutdown comes too late to protect the app's inbound traffic. The app

@@ -414,7 +414,7 @@ fn every_annotation_takes_effect() {
     );
 }
 
-/// The hooks of CONTRACT section 7: every app container runs `lameduck prestop` first, then
+/// The hooks of docs/pod-lifecycle.md: every app container runs `lameduck prestop` first, then
 /// its own exec or sleep preStop action (an httpGet one cannot be chained: kept, with a note),
 /// and `lameduck poststart` likewise; the binary comes from the shared volume, mounted
 /// read-only.

@@ -1,4 +1,4 @@
-//! A pod goes away and no request is lost (CONTRACT section 7), end to end: the pod template
+//! A pod goes away and no request is lost (docs/pod-lifecycle.md), end to end: the pod template
 //! that `lameduck inject` writes is started and deleted the kubelet's way by real processes
 //! (see `pod/kubelet.rs`), under load through the inbound port, while the app calls an
 //! upstream through the outbound route for every request.
@@ -267,7 +267,7 @@ fn upstream_ids(upstream: &Backend) -> HashSet<u64> {
         .collect()
 }
 
-/// Runs the load across a deletion, and checks what CONTRACT section 7 promises.
+/// Runs the load across a deletion, and checks what docs/pod-lifecycle.md promises.
 fn delete_under_load(tag: &str, mode: &str, native: bool) {
     let (mut pod, upstream) = match running_pod(tag, mode, native) {
         Ok(running) => running,

@@ -1,4 +1,4 @@
-//! The inbound quiesce that an app container's `preStop` hook asks for (CONTRACT section 7),
+//! The inbound quiesce that an app container's `preStop` hook asks for (docs/pod-lifecycle.md),
 //! on the real binary: `lameduck prestop` and `lameduck poststart` against a running proxy
 //! over its control socket.
 

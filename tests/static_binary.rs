@@ -1,4 +1,4 @@
-//! The binary runs in any app image (CONTRACT section 7): the app containers' hooks run it
+//! The binary runs in any app image (docs/pod-lifecycle.md): the app containers' hooks run it
 //! from the pod's shared volume, in Debian, Alpine (musl), distroless/static or scratch
 //! images alike. So it is fully static, and this test runs the very binary that the other
 //! tests run (and that the image ships) in an empty chroot that holds only the binary, an
