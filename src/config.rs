@@ -42,6 +42,10 @@ pub const DEFAULT_H2_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// the other side: the kernel's own FIN_WAIT_2 bound (`tcp_fin_timeout`, 60 s); HAProxy's
 /// `timeout client-fin`/`server-fin` are usually 30 s.
 pub const DEFAULT_TCP_HALF_CLOSE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a streamed request or response body may move no byte: Envoy's stream idle timeout
+/// (5 min), not HAProxy's usual `timeout client`/`server` (30 s), because a mesh carries
+/// long-lived gRPC and server-sent-event streams that are quiet for minutes.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(5 * 60);
 /// The largest request head (HTTP/1) or header list (HTTP/2) accepted, in bytes.
 pub const DEFAULT_MAX_HEADER_SIZE: usize = 64 * 1024;
 /// Bounds of `--http-max-header-size` (hyper needs at least 8 KiB of read buffer).
@@ -126,6 +130,12 @@ pub struct ProxyArgs {
     /// for no limit [env: LAMEDUCK_HTTP_RESPONSE_TIMEOUT] [default: 0s]
     #[arg(long, value_name = "DURATION")]
     pub http_response_timeout: Option<String>,
+
+    /// How long a request or response body may move no byte before the stream fails (408 if
+    /// the response had not started, else the stream or connection is reset); 0s for no
+    /// limit [env: LAMEDUCK_HTTP_BODY_TIMEOUT] [default: 5m]
+    #[arg(long, value_name = "DURATION")]
+    pub http_body_timeout: Option<String>,
 
     /// How long an HTTP/2 connection may stay without an open stream before it is asked to go
     /// away (GOAWAY); 0s for no limit [env: LAMEDUCK_HTTP2_IDLE_TIMEOUT] [default: 60s]
@@ -268,6 +278,8 @@ pub struct HttpConfig {
     pub response_timeout: Option<Duration>,
     /// An HTTP/2 connection without an open stream for this long gets GOAWAY; `None`: never.
     pub h2_idle_timeout: Option<Duration>,
+    /// A streamed body that moves no byte for this long fails; `None`: never.
+    pub body_timeout: Option<Duration>,
 }
 
 /// Bounds of opaque TCP streams and tunnels.
@@ -298,6 +310,7 @@ impl Default for HttpConfig {
             h2_max_concurrent_streams: DEFAULT_H2_MAX_CONCURRENT_STREAMS,
             response_timeout: None,
             h2_idle_timeout: Some(DEFAULT_H2_IDLE_TIMEOUT),
+            body_timeout: Some(DEFAULT_BODY_TIMEOUT),
         }
     }
 }
@@ -400,6 +413,11 @@ const RESPONSE_TIMEOUT: Setting = Setting {
     flag: "--http-response-timeout",
     var: "LAMEDUCK_HTTP_RESPONSE_TIMEOUT",
     example: "30s, or 0s for no limit",
+};
+const BODY_TIMEOUT: Setting = Setting {
+    flag: "--http-body-timeout",
+    var: "LAMEDUCK_HTTP_BODY_TIMEOUT",
+    example: "5m, or 0s for no limit",
 };
 const H2_IDLE_TIMEOUT: Setting = Setting {
     flag: "--http2-idle-timeout",
@@ -606,6 +624,11 @@ impl Config {
                 None => Ok(default),
             };
         http.response_timeout = optional(&RESPONSE_TIMEOUT, args.http_response_timeout, None)?;
+        http.body_timeout = optional(
+            &BODY_TIMEOUT,
+            args.http_body_timeout,
+            Some(DEFAULT_BODY_TIMEOUT),
+        )?;
         http.h2_idle_timeout = optional(
             &H2_IDLE_TIMEOUT,
             args.http2_idle_timeout,
@@ -1007,9 +1030,11 @@ mod tests {
             Some(DEFAULT_TCP_HALF_CLOSE_TIMEOUT)
         );
         assert_eq!(defaults.tcp.idle_timeout, None, "databases idle for long");
+        assert_eq!(defaults.http.body_timeout, Some(DEFAULT_BODY_TIMEOUT));
         let set = config(
             ProxyArgs {
                 http2_idle_timeout: Some("0s".into()),
+                http_body_timeout: Some("0s".into()),
                 tcp_idle_timeout: Some("1h".into()),
                 ..Default::default()
             },
@@ -1017,6 +1042,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(set.http.h2_idle_timeout, None);
+        assert_eq!(set.http.body_timeout, None);
         assert_eq!(set.tcp.half_close_timeout, None);
         assert_eq!(set.tcp.idle_timeout, Some(Duration::from_secs(3600)));
         let error = config(

@@ -14,7 +14,7 @@ use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::FutureExt;
@@ -112,9 +112,10 @@ fn forward(
             ));
         }
 
+        let limit = ctx.shared.http.body_timeout;
         let payload = |body| match body_watch.take() {
-            Some(watch) => Payload::Request(body, watch),
-            None => Payload::Stream(body),
+            Some(watch) => Payload::Request(body, watch, Stall::new(limit)),
+            None => Payload::Stream(body, Stall::new(limit)),
         };
         // One send future, awaited with or without the response timeout: a `Timeout` around it
         // in one branch and the bare future in the other would hold it twice in this future.
@@ -155,6 +156,10 @@ fn forward(
                     FailureKind::ClosedBeforeResponse | FailureKind::Respond => (
                         StatusCode::BAD_GATEWAY,
                         format!("bad gateway: {target} failed to respond\n"),
+                    ),
+                    FailureKind::RequestBodyStalled => (
+                        StatusCode::REQUEST_TIMEOUT,
+                        "request timeout: the request body stopped arriving\n".to_string(),
                     ),
                 };
                 let error = &failure.error;
@@ -198,7 +203,7 @@ fn forward(
             lease
         });
         Ok(response.map(|body| ProxyBody {
-            payload: Payload::Stream(body),
+            payload: Payload::Stream(body, Stall::new(ctx.shared.http.body_timeout)),
             _in_flight: Some(in_flight),
             lease,
         }))
@@ -269,9 +274,12 @@ impl From<SendError> for Failure {
                 error: error.into(),
             },
             SendError::Http(error) => Failure {
-                kind: match error.is_incomplete_message() || error.is_canceled() {
-                    true => FailureKind::ClosedBeforeResponse,
-                    false => FailureKind::Respond,
+                kind: if stalled(&error) {
+                    FailureKind::RequestBodyStalled
+                } else if error.is_incomplete_message() || error.is_canceled() {
+                    FailureKind::ClosedBeforeResponse
+                } else {
+                    FailureKind::Respond
                 },
                 error: error.into(),
             },
@@ -295,6 +303,20 @@ enum FailureKind {
     ClosedBeforeResponse,
     /// The connection failed before the response's head arrived (502).
     Respond,
+    /// The client's request body stopped arriving before the response's head (408).
+    RequestBodyStalled,
+}
+
+/// Whether `error` comes from a request body that stalled.
+fn stalled(error: &hyper::Error) -> bool {
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        if cause.is::<BodyStalled>() {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
 }
 
 fn replayable(request: &Request<Payload>) -> bool {
@@ -654,10 +676,72 @@ impl Drop for InFlight {
 /// A body: one streamed from a peer, or a few bytes of the proxy's own (or none). Request
 /// bodies towards the target (a replay has none) and response bodies are both this.
 pub enum Payload {
-    Stream(Incoming),
+    Stream(Incoming, Stall),
     /// A client's HTTP/1 request body on its way to the target, watched to its end.
-    Request(Incoming, RequestBody),
+    Request(Incoming, RequestBody, Stall),
     Bytes(Option<Bytes>),
+}
+
+/// What a body's poll may fail with: the peer's error, or [`BodyStalled`].
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A streamed body whose bytes stopped coming for `--http-body-timeout`.
+#[derive(Debug)]
+pub struct BodyStalled(Duration);
+
+impl std::fmt::Display for BodyStalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "no byte of the body for {}",
+            humantime::format_duration(self.0)
+        )
+    }
+}
+
+impl std::error::Error for BodyStalled {}
+
+/// The bound on a streamed body whose bytes stop coming. A body that is ready when polled
+/// costs nothing; the timer is made at the first wait and re-armed only after progress.
+pub struct Stall {
+    limit: Option<Duration>,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    moved: bool,
+}
+
+impl Stall {
+    pub fn new(limit: Option<Duration>) -> Stall {
+        Stall {
+            limit,
+            timer: None,
+            moved: false,
+        }
+    }
+
+    /// Passes a ready poll on; turns a wait longer than the limit into [`BodyStalled`].
+    fn watch(
+        &mut self,
+        poll: Poll<Option<Result<Frame<Bytes>, BodyError>>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let Some(limit) = self.limit else {
+            return poll;
+        };
+        if poll.is_ready() {
+            self.moved = true;
+            return poll;
+        }
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        if std::mem::take(&mut self.moved) {
+            timer.as_mut().reset(tokio::time::Instant::now() + limit);
+        }
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyStalled(limit))))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 /// Tells an HTTP/1 connection when a request body has been read to its end (or dropped before
@@ -688,20 +772,23 @@ impl Drop for RequestBody {
 
 impl Body for Payload {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         match self.get_mut() {
-            Payload::Stream(body) => Pin::new(body).poll_frame(cx),
-            Payload::Request(body, watch) => {
-                let poll = Pin::new(&mut *body).poll_frame(cx);
+            Payload::Stream(body, stall) => {
+                let poll = Pin::new(body).poll_frame(cx).map_err(Into::into);
+                stall.watch(poll, cx)
+            }
+            Payload::Request(body, watch, stall) => {
+                let poll = Pin::new(&mut *body).poll_frame(cx).map_err(Into::into);
                 if reached_end(&poll, &*body) {
                     watch.ended = true;
                 }
-                poll
+                stall.watch(poll, cx)
             }
             Payload::Bytes(bytes) => Poll::Ready(bytes.take().map(|bytes| Ok(Frame::data(bytes)))),
         }
@@ -709,14 +796,14 @@ impl Body for Payload {
 
     fn is_end_stream(&self) -> bool {
         match self {
-            Payload::Stream(body) | Payload::Request(body, _) => body.is_end_stream(),
+            Payload::Stream(body, _) | Payload::Request(body, _, _) => body.is_end_stream(),
             Payload::Bytes(bytes) => bytes.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            Payload::Stream(body) | Payload::Request(body, _) => body.size_hint(),
+            Payload::Stream(body, _) | Payload::Request(body, _, _) => body.size_hint(),
             Payload::Bytes(bytes) => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }
@@ -726,7 +813,7 @@ impl Body for Payload {
 
 /// Whether `body`, having answered `poll`, has been read to its end: no more frames, or the
 /// last one (hyper may never poll a body again once it says it is at its end).
-fn reached_end<B: Body>(poll: &Poll<Option<Result<Frame<Bytes>, hyper::Error>>>, body: &B) -> bool {
+fn reached_end<B: Body, E>(poll: &Poll<Option<Result<Frame<Bytes>, E>>>, body: &B) -> bool {
     match poll {
         Poll::Ready(None) => true,
         Poll::Ready(Some(Ok(_))) => body.is_end_stream(),
@@ -744,12 +831,12 @@ pub struct ProxyBody {
 
 impl Body for ProxyBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = self.get_mut();
         let poll = Pin::new(&mut this.payload).poll_frame(cx);
         if let Some(lease) = &mut this.lease

@@ -286,3 +286,35 @@ fn stalled_clients_fill_the_connection_limit_only_until_their_bound() {
     );
     drop(stalled);
 }
+
+/// A body whose bytes stop coming: the request's (the client gets 408, and the target's
+/// pooled connection is not kept) and the response's (the client's response fails before it
+/// looks complete), each at `--http-body-timeout`.
+#[test]
+fn bodies_that_stop_moving_fail_at_the_body_timeout() {
+    let backend = Backend::start();
+    let proxy = Proxy::start(&[
+        "--inbound",
+        &backend.route("127.0.0.1:0"),
+        "--http-body-timeout",
+        "1s",
+    ]);
+    let addr = proxy.inbound[0];
+    let since = Instant::now();
+    let mut stalled = send_raw(
+        addr,
+        b"POST /echo HTTP/1.1\r\nHost: a.test\r\nContent-Length: 10\r\n\r\nab",
+    );
+    good_request(addr);
+    let response = read_response(&mut stalled).unwrap();
+    assert_eq!(response.status, 408, "{response:?}");
+    assert_within_bound(since.elapsed(), "a request body that stopped");
+
+    // The target sends one chunk, then nothing for 3 s.
+    let since = Instant::now();
+    let mut stream = send_raw(addr, &get("/slow?chunks=3&interval=3000&size=10"));
+    let cut = read_response(&mut stream);
+    assert!(cut.is_err(), "a response that looks complete: {cut:?}");
+    assert_within_bound(since.elapsed(), "a response body that stopped");
+    good_request(addr);
+}
