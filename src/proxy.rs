@@ -161,10 +161,25 @@ fn forward(
                         StatusCode::REQUEST_TIMEOUT,
                         "request timeout: the request body stopped arriving\n".to_string(),
                     ),
+                    FailureKind::RequestBodyBroken => (
+                        StatusCode::BAD_REQUEST,
+                        "bad request: the request body is malformed or incomplete\n".to_string(),
+                    ),
                 };
                 let error = &failure.error;
                 debug!(error = %error, source = ?error.source(), %status, "forwarding failed");
-                return Ok(error_response(&ctx, status, body, in_flight));
+                let mut response = error_response(&ctx, status, body, in_flight);
+                let body_failed = matches!(
+                    failure.kind,
+                    FailureKind::RequestBodyStalled | FailureKind::RequestBodyBroken
+                );
+                if body_failed && ctx.version == HttpVersion::Http1 {
+                    // The rest of the client's request cannot be read as a next one.
+                    response
+                        .headers_mut()
+                        .insert(CONNECTION, HeaderValue::from_static("close"));
+                }
+                return Ok(response);
             }
         };
 
@@ -276,6 +291,10 @@ impl From<SendError> for Failure {
             SendError::Http(error) => Failure {
                 kind: if stalled(&error) {
                     FailureKind::RequestBodyStalled
+                } else if error.is_user() {
+                    // The request body failed on the client's side: a malformed chunk, a
+                    // client gone mid-body.
+                    FailureKind::RequestBodyBroken
                 } else if error.is_incomplete_message() || error.is_canceled() {
                     FailureKind::ClosedBeforeResponse
                 } else {
@@ -305,6 +324,8 @@ enum FailureKind {
     Respond,
     /// The client's request body stopped arriving before the response's head (408).
     RequestBodyStalled,
+    /// The client's request body was malformed (a bad chunk) or cut short (400).
+    RequestBodyBroken,
 }
 
 /// Whether `error` comes from a request body that stalled.

@@ -167,3 +167,29 @@ fn a_connect_answered_with_a_content_length_still_opens_the_tunnel() {
     client.read_exact(&mut echoed).unwrap();
     assert_eq!(&echoed, b"through the tunnel");
 }
+
+/// A malformed chunk gets the client a 400 (the client sent it), not a 502 as if the target
+/// had failed; the connection closes, since what follows cannot be framed.
+#[test]
+fn a_malformed_chunk_is_the_clients_fault() {
+    let backend = Backend::start();
+    let proxy = proxy_to(&backend);
+    for (chunked, what) in [
+        ("0x5\r\nhello\r\n0\r\n\r\n", "a size with a 0x prefix"),
+        ("5\nhello\r\n0\r\n\r\n", "a bare LF after the size"),
+        ("3\r\nhello\r\n0\r\n\r\n", "more data than the size"),
+        (
+            "fffffffffffffffff\r\nx\r\n0\r\n\r\n",
+            "a size that overflows",
+        ),
+    ] {
+        let response = exchange(
+            proxy.inbound[0],
+            &format!(
+                "POST /echo HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n{chunked}"
+            ),
+        );
+        assert_eq!(response.status, 400, "{what}: {response:?}");
+        assert_eq!(response.header("connection"), Some("close"), "{what}");
+    }
+}
