@@ -334,12 +334,14 @@ async fn force_close(drain: &Drain, conns: &Connections, metrics: &Metrics, why:
         drain.side(Direction::Inbound),
         drain.side(Direction::Outbound),
     ];
+    // Reset first: a connection task on another worker thread that saw `draining` before
+    // `terminate` would close its idle connection with a FIN instead of the reset promised.
+    drain.terminate.cancel();
     for side in &sides {
         side.go_away.cancel();
         side.close_listeners.cancel();
         side.draining.cancel();
     }
-    drain.terminate.cancel();
     let closed = tokio::time::timeout(FORCE_CLOSE_WAIT, async {
         tokio::join!(sides[0].tracker.wait(), sides[1].tracker.wait());
     })

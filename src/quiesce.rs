@@ -189,10 +189,11 @@ impl InboundControl {
         let mut reset = 0;
         if drained.is_err() {
             reset = self.inbound_open();
+            // Reset first (see app::force_close), then whatever still waits.
+            side.terminate.cancel();
             side.go_away.cancel();
             side.close_listeners.cancel();
             side.draining.cancel();
-            side.terminate.cancel();
             let _ = tokio::time::timeout(RESET_WAIT, side.tracker.wait()).await;
         }
         Outcome {
