@@ -205,9 +205,12 @@ fn every_supervisor_signal_reaches_the_command() {
     std::fs::create_dir_all(&dir).unwrap();
     let log = dir.join("log");
     let ready = dir.join("ready");
+    // `sleep & wait`, not a foreground `sleep`: bash runs a trap at once when `wait` is
+    // interrupted, whereas a SIGINT that arrives while it waits for a foreground command is
+    // dropped when that command does not die of it (bash's "wait and cooperative exit").
     let script = format!(
         "for s in HUP INT QUIT USR1 USR2 WINCH; do trap \"echo $s >> {log}\" $s; done; \
-         trap 'echo TERM >> {log}; exit 0' TERM; touch {ready}; while :; do sleep 0.05; done",
+         trap 'echo TERM >> {log}; exit 0' TERM; touch {ready}; while :; do sleep 0.05 & wait $!; done",
         log = log.display(),
         ready = ready.display()
     );
