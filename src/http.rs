@@ -34,6 +34,7 @@ use tracing::{Instrument as _, debug};
 
 use crate::conns::{ConnProtocol, ConnState, Connection, Registration};
 use crate::drain::{Cancelled, ConnTokens};
+use crate::header_block::HeaderBlockWatch;
 use crate::listener::{RouteHandle, Shared};
 use crate::metrics::Timeout;
 use crate::proxy;
@@ -164,7 +165,10 @@ pub async fn serve(
         HttpVersion::Http1 => serve_http1(stream, ctx, &tokens.draining).await,
         HttpVersion::Http2 => {
             let fd = stream.as_raw_fd();
-            let (io, came_home) = ServerIo::new(stream, ctx.clone(), Bytes::new(), None);
+            let (mut io, came_home) = ServerIo::new(stream, ctx.clone(), Bytes::new(), None);
+            io.header_block = Some(Box::new(HeaderBlockWatch::new(
+                ctx.shared.http.header_read_timeout,
+            )));
             // Boxed: an HTTP/1 connection's future is not sized for HTTP/2's state.
             if Box::pin(serve_http2(TokioIo::new(io), fd, ctx, &tokens.draining)).await {
                 return;
@@ -517,6 +521,8 @@ pub struct ServerIo {
     idle_since: Option<Instant>,
     /// Wakes the session when it has been idle for [`PARK_AFTER`].
     park_timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// HTTP/2: the bound on a header block in progress.
+    header_block: Option<Box<HeaderBlockWatch>>,
 }
 
 impl ServerIo {
@@ -538,6 +544,7 @@ impl ServerIo {
             parked: false,
             idle_since: None,
             park_timer: None,
+            header_block: None,
         };
         (io, came_home)
     }
@@ -611,6 +618,16 @@ impl AsyncRead for ServerIo {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        // Before the first request the first-request bound covers a header block too.
+        let this = &mut *self;
+        if let Some(watch) = &mut this.header_block
+            && this.ctx.requests_seen.load(Ordering::Acquire)
+            && let Poll::Ready(error) = watch.poll_expired(cx)
+        {
+            debug!(%error, "HTTP/2: closing");
+            self.ctx.shared.metrics.timed_out(Timeout::Http2HeaderBlock);
+            return Poll::Ready(Err(error));
+        }
         if !self.prefix.is_empty() {
             let n = self.prefix.len().min(buf.remaining());
             buf.put_slice(&self.prefix[..n]);
@@ -623,6 +640,9 @@ impl AsyncRead for ServerIo {
                 let read = buf.filled().len() - before;
                 if read == 0 {
                     self.eof = true;
+                }
+                if let Some(watch) = &mut self.header_block {
+                    watch.read(&buf.filled()[before..]);
                 }
                 self.idle_since = None;
                 self.count_read(read);

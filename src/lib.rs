@@ -28,6 +28,7 @@ pub mod config;
 pub mod conns;
 pub mod detect;
 pub mod drain;
+pub mod header_block;
 pub mod hook;
 pub mod http;
 pub mod inject;

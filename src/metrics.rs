@@ -37,6 +37,12 @@ pub enum Timeout {
     Http2FirstRequest,
     /// HTTP/2: no open stream for the idle timeout.
     Http2Idle,
+    /// HTTP/2: a header block left unfinished for the header read timeout.
+    Http2HeaderBlock,
+    /// A request body with no byte moving for the body timeout.
+    RequestBody,
+    /// A response body with no byte moving for the body timeout.
+    ResponseBody,
     /// TCP or tunnel: half-closed by one side, nothing from the other.
     TcpHalfClose,
     /// TCP or tunnel: no byte either way.
@@ -44,10 +50,23 @@ pub enum Timeout {
 }
 
 impl Timeout {
+    const ALL: [Timeout; 7] = [
+        Timeout::Http2FirstRequest,
+        Timeout::Http2Idle,
+        Timeout::Http2HeaderBlock,
+        Timeout::RequestBody,
+        Timeout::ResponseBody,
+        Timeout::TcpHalfClose,
+        Timeout::TcpIdle,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Timeout::Http2FirstRequest => "http2_first_request",
             Timeout::Http2Idle => "http2_idle",
+            Timeout::Http2HeaderBlock => "http2_header_block",
+            Timeout::RequestBody => "request_body",
+            Timeout::ResponseBody => "response_body",
             Timeout::TcpHalfClose => "tcp_half_close",
             Timeout::TcpIdle => "tcp_idle",
         }
@@ -83,7 +102,9 @@ pub struct Metrics {
     force_closed: Counter,
     connection_limit: Gauge,
     limit_waits: Counter,
-    timeouts: Family<[(&'static str, &'static str); 1], Counter>,
+    /// By [`Timeout`], resolved once (every streamed body holds its counter), so that every
+    /// series is there from the start.
+    timeouts: [Counter; Timeout::ALL.len()],
     /// `[direction][status class 1xx..5xx]`, resolved once so a request only adds to a counter.
     requests: [[Counter; 5]; 2],
     request_durations: [Histogram; 2],
@@ -128,12 +149,17 @@ impl Metrics {
             "Times an accept loop found the connection limit reached and let new connections wait in the listen queue",
             limit_waits.clone(),
         );
-        let timeouts = Family::<[(&'static str, &'static str); 1], Counter>::default();
+        let timeout_family = Family::<[(&'static str, &'static str); 1], Counter>::default();
         registry.register(
             "timeouts",
             "Connections closed because nothing moved for a bound, by timeout",
-            timeouts.clone(),
+            timeout_family.clone(),
         );
+        let timeouts = Timeout::ALL.map(|timeout| {
+            timeout_family
+                .get_or_create(&[("timeout", timeout.as_str())])
+                .clone()
+        });
         let request_family = Family::<Labels, Counter>::default();
         registry.register(
             "requests",
@@ -186,9 +212,12 @@ impl Metrics {
     }
 
     pub fn timed_out(&self, timeout: Timeout) {
-        self.timeouts
-            .get_or_create(&[("timeout", timeout.as_str())])
-            .inc();
+        self.timeout_counter(timeout).inc();
+    }
+
+    /// The counter of `timeout`, for a bound that counts by itself when it fires.
+    pub fn timeout_counter(&self, timeout: Timeout) -> &Counter {
+        &self.timeouts[timeout as usize]
     }
 
     pub fn connection_opened(&self, direction: Direction, protocol: ConnProtocol) {
@@ -345,5 +374,17 @@ impl Collector for StateCollector {
             )?,
         )?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_timeout_has_its_own_counter() {
+        for (index, timeout) in Timeout::ALL.into_iter().enumerate() {
+            assert_eq!(timeout as usize, index, "{timeout:?}");
+        }
     }
 }

@@ -27,11 +27,13 @@ use hyper::header::{
 use hyper::upgrade::OnUpgrade;
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::TokioIo;
+use prometheus_client::metrics::counter::Counter;
 use tokio::net::TcpStream;
 use tracing::{Instrument, debug};
 
 use crate::conns::{ConnProtocol, Connection};
 use crate::http::{ConnCtx, HttpVersion, ServerIo};
+use crate::metrics::Timeout;
 use crate::tcp;
 use crate::upstream::{Lease, SendError, Upstream};
 
@@ -113,9 +115,10 @@ fn forward(
         }
 
         let limit = ctx.shared.http.body_timeout;
+        let timeouts = ctx.shared.metrics.timeout_counter(Timeout::RequestBody);
         let payload = |body| match body_watch.take() {
-            Some(watch) => Payload::Request(body, watch, Stall::new(limit)),
-            None => Payload::Stream(body, Stall::new(limit)),
+            Some(watch) => Payload::Request(body, watch, Stall::new(limit, timeouts)),
+            None => Payload::Stream(body, Stall::new(limit, timeouts)),
         };
         // One send future, awaited with or without the response timeout: a `Timeout` around it
         // in one branch and the bare future in the other would hold it twice in this future.
@@ -218,7 +221,13 @@ fn forward(
             lease
         });
         Ok(response.map(|body| ProxyBody {
-            payload: Payload::Stream(body, Stall::new(ctx.shared.http.body_timeout)),
+            payload: Payload::Stream(
+                body,
+                Stall::new(
+                    ctx.shared.http.body_timeout,
+                    ctx.shared.metrics.timeout_counter(Timeout::ResponseBody),
+                ),
+            ),
             _in_flight: Some(in_flight),
             lease,
         }))
@@ -729,15 +738,16 @@ impl std::error::Error for BodyStalled {}
 /// The bound on a streamed body whose bytes stop coming. A body that is ready when polled
 /// costs nothing; the timer is made at the first wait and re-armed only after progress.
 pub struct Stall {
-    limit: Option<Duration>,
+    /// The limit, and the counter of bodies it failed.
+    limit: Option<(Duration, Counter)>,
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     moved: bool,
 }
 
 impl Stall {
-    pub fn new(limit: Option<Duration>) -> Stall {
+    pub fn new(limit: Option<Duration>, timeouts: &Counter) -> Stall {
         Stall {
-            limit,
+            limit: limit.map(|limit| (limit, timeouts.clone())),
             timer: None,
             moved: false,
         }
@@ -749,9 +759,10 @@ impl Stall {
         poll: Poll<Option<Result<Frame<Bytes>, BodyError>>>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        let Some(limit) = self.limit else {
+        let Some((limit, timeouts)) = &self.limit else {
             return poll;
         };
+        let limit = *limit;
         if poll.is_ready() {
             self.moved = true;
             return poll;
@@ -763,7 +774,10 @@ impl Stall {
             timer.as_mut().reset(tokio::time::Instant::now() + limit);
         }
         match timer.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyStalled(limit))))),
+            Poll::Ready(()) => {
+                timeouts.inc();
+                Poll::Ready(Some(Err(Box::new(BodyStalled(limit)))))
+            }
             Poll::Pending => Poll::Pending,
         }
     }

@@ -9,7 +9,9 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use support::backend::{Backend, get, read_response, send_raw};
-use support::h2raw::{self, GOAWAY, H2, HEADERS, PREFACE, SETTINGS};
+use support::h2raw::{
+    self, CONTINUATION, END_HEADERS, END_STREAM, GOAWAY, H2, HEADERS, PREFACE, SETTINGS,
+};
 use support::{PATIENCE, Proxy, shutdown_write};
 
 /// The bound under test, and the slack allowed past it (the checks look every quarter of a
@@ -107,6 +109,68 @@ fn http2_clients_stalled_before_their_first_request_are_closed_at_the_header_rea
         assert_eq!(counted as usize, stalled.len(), "{protocol} route");
         good_request(addr);
     }
+}
+
+/// A header block begun after earlier requests and never finished is not a stream, so the idle
+/// bound does not see it: the header read timeout does.
+#[test]
+fn an_http2_header_block_left_unfinished_after_earlier_requests_is_closed_at_the_header_read_timeout()
+ {
+    let backend = Backend::start();
+    let proxy = Proxy::start(&[
+        "--inbound",
+        &backend.route("127.0.0.1:0"),
+        "--http-header-read-timeout",
+        "1s",
+    ]);
+    let addr = proxy.inbound[0];
+    let mut h2 = H2::connect(addr);
+    for stream in [1, 3] {
+        h2.get(stream, "/first");
+        h2.read_until(|frame| frame.stream == stream && frame.flags & END_STREAM != 0)
+            .unwrap();
+        // Served well apart, so that the block below comes long after the accept.
+        std::thread::sleep(BOUND);
+    }
+    let block = h2raw::header_block(&[(":method", "GET"), (":scheme", "http")]);
+    h2.send(HEADERS, 0, 5, &block[..block.len() / 2]);
+    h2.send(CONTINUATION, 0, 5, &block[block.len() / 2..]);
+    let since = Instant::now();
+    good_request(addr);
+    assert_within_bound(
+        closed_after(&mut h2.stream, since),
+        "an unfinished header block",
+    );
+    let counted = proxy.metric("lameduck_timeouts_total{timeout=\"http2_header_block\"}");
+    assert_eq!(counted, 1.0);
+    assert_eq!(
+        proxy.metric("lameduck_timeouts_total{timeout=\"http2_first_request\"}"),
+        0.0
+    );
+
+    // A block that does end in time, however slowly, is served.
+    let mut h2 = H2::connect(addr);
+    h2.get(1, "/first");
+    h2.read_until(|frame| frame.stream == 1 && frame.flags & END_STREAM != 0)
+        .unwrap();
+    let block = h2raw::header_block(&[
+        (":method", "GET"),
+        (":scheme", "http"),
+        (":path", "/slow-block"),
+        (":authority", "app.local"),
+    ]);
+    let (head, tail) = block.split_at(block.len() / 2);
+    h2.send(HEADERS, END_STREAM, 3, head);
+    std::thread::sleep(BOUND / 2);
+    h2.send(CONTINUATION, END_HEADERS, 3, tail);
+    let frames = h2
+        .read_until(|frame| frame.stream == 3 && frame.flags & END_STREAM != 0)
+        .unwrap();
+    assert!(
+        frames
+            .iter()
+            .any(|frame| frame.stream == 3 && frame.is_status_200())
+    );
 }
 
 #[test]
@@ -317,4 +381,8 @@ fn bodies_that_stop_moving_fail_at_the_body_timeout() {
     assert!(cut.is_err(), "a response that looks complete: {cut:?}");
     assert_within_bound(since.elapsed(), "a response body that stopped");
     good_request(addr);
+    for body in ["request_body", "response_body"] {
+        let counted = proxy.metric(&format!("lameduck_timeouts_total{{timeout=\"{body}\"}}"));
+        assert_eq!(counted, 1.0, "{body}");
+    }
 }
