@@ -426,3 +426,47 @@ fn h2_streams_waiting_for_an_unanswering_target_share_one_connect_timeout() {
     proxy.signal(libc::SIGTERM);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
+
+/// A client that starts the HTTP/2 preface and gets it wrong is not speaking HTTP/2 (RFC 9113
+/// section 3.4: a connection error, and the GOAWAY may be omitted): the connection closes
+/// promptly with nothing but HTTP/2 frames on it, and nothing reaches the app. On an `http`
+/// route it is not taken for an HTTP/1 request. (On an `auto` route, bytes that are neither
+/// protocol are opaque TCP for the app, by design.)
+#[test]
+fn an_invalid_http2_preface_is_a_connection_error_not_an_http1_request() {
+    use std::io::{Read, Write};
+    let backend = Backend::start();
+    let protocol = "http";
+    let proxy = Proxy::start(&[
+        "--inbound",
+        &format!("127.0.0.1:0={}/{protocol}", backend.addr),
+    ]);
+    let mut stream = std::net::TcpStream::connect(proxy.inbound[0]).unwrap();
+    stream.set_read_timeout(Some(PATIENCE)).unwrap();
+    stream
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nXX\r\n\r\n")
+        .unwrap();
+    let mut bytes = Vec::new();
+    let since = Instant::now();
+    match stream.read_to_end(&mut bytes) {
+        Ok(_) => {}
+        Err(error) if error.kind() == ErrorKind::ConnectionReset => {}
+        Err(error) => panic!("{protocol}: not closed: {error}"),
+    }
+    assert!(since.elapsed() < PATIENCE, "{protocol}");
+    let mut rest = &bytes[..];
+    while !rest.is_empty() {
+        assert!(rest.len() >= 9, "{protocol}: not HTTP/2 frames: {bytes:?}");
+        let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
+        let kind = rest[3];
+        assert!(
+            kind == SETTINGS || kind == GOAWAY,
+            "{protocol}: frame type {kind} in {bytes:?}"
+        );
+        rest = &rest[(9 + len).min(rest.len())..];
+    }
+    assert!(
+        backend.seen().is_empty(),
+        "{protocol}: the app got a request"
+    );
+}
