@@ -30,8 +30,8 @@ use tracing::{debug, info, warn};
 
 use crate::conns::Connections;
 use crate::drain::{Drain, ShutdownReason};
-use crate::listener::AcceptErrors;
 use crate::metrics::Metrics;
+use crate::net::AcceptErrors;
 
 /// How long a client may take to send a request's headers.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);

@@ -20,11 +20,12 @@ use crate::admin::{self, Admin};
 use crate::config::{Config, Direction, OutboundShutdown, Route};
 use crate::conns::Connections;
 use crate::drain::{Drain, Phase, ShutdownReason, signal_name};
-use crate::listener::{self, RouteHandle, Shared};
 use crate::metrics::Metrics;
+use crate::net;
+use crate::proxy::Upstream;
+use crate::proxy::{self, ProxyContext, ProxyRoute};
 use crate::quiesce::{self, InboundControl};
 use crate::signals::ShutdownSignals;
-use crate::upstream::Upstream;
 
 /// How often the drain reports its progress in the log.
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
@@ -86,7 +87,7 @@ pub struct Bound {
 
 /// Binds the admin server and every route. Must run inside a Tokio runtime.
 pub fn build(config: Config) -> Result<Bound, BuildError> {
-    let admin = listener::bind(config.admin).map_err(|source| BuildError {
+    let admin = net::bind(config.admin).map_err(|source| BuildError {
         what: "admin server".into(),
         at: config.admin.to_string(),
         source,
@@ -94,7 +95,7 @@ pub fn build(config: Config) -> Result<Bound, BuildError> {
     let admin_addr = admin.local_addr().unwrap_or(config.admin);
     let mut listeners = Vec::with_capacity(config.routes.len());
     for route in &config.routes {
-        let bound = listener::bind(route.listen).map_err(|source| BuildError {
+        let bound = net::bind(route.listen).map_err(|source| BuildError {
             what: format!("{} listener", route.direction),
             at: route.listen.to_string(),
             source,
@@ -164,13 +165,13 @@ impl Bound {
         tokio::spawn(admin::serve(admin, Arc::new(admin_state)));
         info!(listen = %admin_addr, shutdown_endpoint = config.shutdown_endpoint, "admin server listening");
 
-        let max_connections = listener::connection_limit();
+        let max_connections = net::connection_limit();
         metrics.set_connection_limit(max_connections);
         info!(
             max_connections,
             "connection limit from the file-descriptor limit"
         );
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(ProxyContext {
             drain: drain.clone(),
             conns: conns.clone(),
             metrics: metrics.clone(),
@@ -188,7 +189,7 @@ impl Bound {
                 config.connect_timeout,
                 metrics.clone(),
             );
-            let handle = Arc::new(RouteHandle {
+            let handle = Arc::new(ProxyRoute {
                 route: route.clone(),
                 upstream,
                 target_name: route.target.to_string(),
@@ -197,7 +198,7 @@ impl Bound {
                 inbound_routes.push(handle.clone());
             }
             let side = drain.side(route.direction);
-            side.accepting.spawn(listener::accept_loop(
+            side.accepting.spawn(proxy::accept::accept_loop(
                 bound,
                 handle,
                 shared.clone(),

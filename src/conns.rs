@@ -254,19 +254,12 @@ impl Connections {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Connection>>> {
-        // A panic while holding this lock cannot leave the map inconsistent: every critical
-        // section is a single insert, remove or clone.
-        self.open
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        // Every critical section is a single insert, remove or clone.
+        crate::sync::lock(&self.open)
     }
 
     pub fn len(&self) -> usize {
         self.lock().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// The open connections, oldest first.

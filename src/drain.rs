@@ -20,6 +20,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 use tokio_util::task::TaskTracker;
 
 use crate::config::Direction;
+use crate::sync::lock;
 
 /// What started the shutdown.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -269,13 +270,6 @@ impl Side {
             terminate: self.terminate.clone(),
         }
     }
-}
-
-/// A lock whose holder never panics while holding it; a poisoned one is used as it is.
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 pin_project_lite::pin_project! {

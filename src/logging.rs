@@ -2,6 +2,7 @@
 //! `RUST_LOG` syntax (CONTRACT section 6). Stdout stays free for commands that print data.
 
 use std::io::IsTerminal;
+use std::time::{Duration, Instant};
 
 use tracing_subscriber::EnvFilter;
 
@@ -18,4 +19,33 @@ pub fn init(filter: &str, format: LogFormat) {
         LogFormat::Plain => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),
     };
+}
+
+/// At most one log line per interval about a condition that may repeat thousands of times a
+/// second (out of file descriptors, at the connection limit); counts the ones held back.
+#[derive(Debug)]
+pub struct Throttle {
+    interval: Duration,
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl Throttle {
+    pub fn new(interval: Duration) -> Throttle {
+        Throttle {
+            interval,
+            last: None,
+            suppressed: 0,
+        }
+    }
+
+    /// `Some(lines held back since the last one)` when a line may be logged now.
+    pub fn due(&mut self) -> Option<u64> {
+        if self.last.is_some_and(|last| last.elapsed() < self.interval) {
+            self.suppressed += 1;
+            return None;
+        }
+        self.last = Some(Instant::now());
+        Some(std::mem::take(&mut self.suppressed))
+    }
 }

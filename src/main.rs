@@ -3,12 +3,13 @@
 //! run, 2 for invalid configuration, 128+N when a second signal N forced the stop.
 
 use clap::{Parser, Subcommand};
+use lameduck::commands::r#await::{self, AwaitArgs};
+use lameduck::commands::hook::{self, HoldArgs, PostStartArgs, PreStopArgs};
+use lameduck::commands::inject;
+use lameduck::commands::status::{self, StatusArgs};
 use lameduck::config::{Config, ProxyArgs, process_env};
-use lameduck::hook::{self, HoldArgs, PostStartArgs, PreStopArgs};
 use lameduck::signals::ShutdownSignals;
-use lameduck::status::{self, StatusArgs};
-use lameduck::wrapper::{self, AwaitArgs};
-use lameduck::{app, inject, logging};
+use lameduck::{app, logging};
 
 /// lameduck: a service-mesh sidecar proxy that shuts down gracefully.
 ///
@@ -152,7 +153,7 @@ fn run_tool() -> i32 {
         Err(error) => error.exit(),
     };
     match cli.command {
-        Some(Command::Await(args)) => wrapper::run(args, process_env),
+        Some(Command::Await(args)) => r#await::run(args, process_env),
         Some(Command::Inject(args)) => run_inject(args),
         Some(Command::CopyBinary { path }) => copy_binary(&path),
         Some(Command::Prestop(args)) => hook::prestop(args),

@@ -19,6 +19,7 @@ use prometheus_client::registry::Registry;
 use crate::config::Direction;
 use crate::conns::{ConnProtocol, Connections};
 use crate::drain::{Drain, Phase};
+use crate::net::ConnectFailure;
 
 type Labels = [(&'static str, &'static str); 2];
 
@@ -69,26 +70,6 @@ impl Timeout {
             Timeout::ResponseBody => "response_body",
             Timeout::TcpHalfClose => "tcp_half_close",
             Timeout::TcpIdle => "tcp_idle",
-        }
-    }
-}
-
-/// Why connecting to a target failed.
-#[derive(Clone, Copy, Debug)]
-pub enum ConnectFailure {
-    Refused,
-    Timeout,
-    Resolve,
-    Other,
-}
-
-impl ConnectFailure {
-    fn as_str(self) -> &'static str {
-        match self {
-            ConnectFailure::Refused => "refused",
-            ConnectFailure::Timeout => "timeout",
-            ConnectFailure::Resolve => "resolve",
-            ConnectFailure::Other => "other",
         }
     }
 }

@@ -43,7 +43,8 @@ use tracing::{info, warn};
 use crate::config::Direction;
 use crate::conns::Connections;
 use crate::drain::{Drain, Side};
-use crate::listener::{self, RouteHandle, Shared};
+use crate::net;
+use crate::proxy::{self, ProxyContext, ProxyRoute};
 
 /// How long a client may take to send its one-line request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -83,9 +84,9 @@ enum State {
 pub struct InboundControl {
     drain: Arc<Drain>,
     conns: Arc<Connections>,
-    shared: Arc<Shared>,
+    shared: Arc<ProxyContext>,
     /// Every inbound route, with its real listen address, to bind again on resume.
-    routes: Vec<Arc<RouteHandle>>,
+    routes: Vec<Arc<ProxyRoute>>,
     lame_duck: Duration,
     grace: Duration,
     state: tokio::sync::Mutex<State>,
@@ -97,8 +98,8 @@ impl InboundControl {
     pub fn new(
         drain: Arc<Drain>,
         conns: Arc<Connections>,
-        shared: Arc<Shared>,
-        routes: Vec<Arc<RouteHandle>>,
+        shared: Arc<ProxyContext>,
+        routes: Vec<Arc<ProxyRoute>>,
         lame_duck: Duration,
         grace: Duration,
     ) -> InboundControl {
@@ -224,7 +225,7 @@ impl InboundControl {
         let mut bound = Vec::with_capacity(self.routes.len());
         for handle in &self.routes {
             let listen = handle.route.listen;
-            let listener = listener::bind(listen)
+            let listener = net::bind(listen)
                 .map_err(|error| format!("cannot bind the inbound listener {listen}: {error}"))?;
             bound.push((handle.clone(), listener));
         }
@@ -233,7 +234,7 @@ impl InboundControl {
         }
         let (side, _) = self.drain.renew_inbound();
         for (handle, listener) in bound {
-            side.accepting.spawn(listener::accept_loop(
+            side.accepting.spawn(proxy::accept::accept_loop(
                 listener,
                 handle,
                 self.shared.clone(),

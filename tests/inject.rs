@@ -530,7 +530,7 @@ fn app_containers_get_the_drain_hooks_chained_with_their_own() {
 /// never lowered, and inject says on stderr when it raised it.
 #[test]
 fn the_pod_budget_covers_the_drain_then_the_apps_own_shutdown() {
-    use lameduck::inject::{GRACE_MARGIN_SECONDS, pod_budget};
+    use lameduck::commands::inject::{GRACE_MARGIN_SECONDS, pod_budget};
     assert_eq!(pod_budget(Duration::from_secs(25), 30), 60);
     assert_eq!(
         pod_budget(Duration::from_millis(1500), 10),

@@ -61,7 +61,7 @@ fn images() -> HashMap<String, Image> {
     let app = here().join("tests/pod/app.py").display().to_string();
     let mut images = HashMap::new();
     images.insert(
-        lameduck::inject::DEFAULT_IMAGE.to_string(),
+        lameduck::commands::inject::DEFAULT_IMAGE.to_string(),
         Image {
             entrypoint: vec!["/usr/local/bin/lameduck".into()],
             files: vec![("/usr/local/bin/lameduck".into(), BIN.into())],

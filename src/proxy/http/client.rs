@@ -24,10 +24,11 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 use tracing::debug;
 
+use super::body::Payload;
 use crate::config::{Direction, Target};
 use crate::metrics::Metrics;
-use crate::proxy::Payload;
-use crate::tcp;
+use crate::net;
+use crate::sync::lock;
 
 /// How long an idle pooled connection to a target is kept (less in the unit tests below,
 /// which watch connections expire).
@@ -83,7 +84,7 @@ pub struct Connector {
 
 impl Connector {
     async fn connect(&self) -> io::Result<TcpStream> {
-        match tcp::connect(&self.target, self.connect_timeout).await {
+        match net::connect(&self.target, self.connect_timeout).await {
             Ok(stream) => {
                 let _ = stream.set_nodelay(true);
                 Ok(stream)
@@ -170,10 +171,7 @@ impl Http1Pool {
     /// The idle connections, once those idle for too long are closed (the oldest are at the
     /// bottom).
     fn idle(&self) -> MutexGuard<'_, Vec<Idle>> {
-        let mut idle = self
-            .idle
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
+        let mut idle = lock(&self.idle);
         let now = Instant::now();
         let expired = idle
             .iter()
@@ -283,7 +281,7 @@ fn start_sweeping<P: Send + Sync + 'static>(started: &AtomicBool, pool: &Arc<P>,
 /// for [`POOL_IDLE_TIMEOUT`], the proxy lets it go: it closes as its last stream ends.
 pub struct Http2Conn {
     connector: Connector,
-    current: Mutex<Option<Shared>>,
+    current: Mutex<Option<SharedConn>>,
     /// Held while dialling; the last dial's failure, if it failed.
     dialing: tokio::sync::Mutex<Option<(io::ErrorKind, String)>>,
     /// Dials finished so far.
@@ -292,7 +290,7 @@ pub struct Http2Conn {
     sweeping: AtomicBool,
 }
 
-struct Shared {
+struct SharedConn {
     sender: http2::SendRequest<Payload>,
     last_used: Instant,
 }
@@ -350,11 +348,8 @@ impl Http2Conn {
         Some(shared.sender.try_send_request(request.take()?))
     }
 
-    fn current(&self) -> MutexGuard<'_, Option<Shared>> {
-        let mut current = self
-            .current
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
+    fn current(&self) -> MutexGuard<'_, Option<SharedConn>> {
+        let mut current = lock(&self.current);
         if current
             .as_ref()
             .is_some_and(|shared| shared.last_used.elapsed() >= POOL_IDLE_TIMEOUT)
@@ -389,7 +384,7 @@ impl Http2Conn {
             SendError::Http(error) => (io::ErrorKind::Other, error.to_string()),
         });
         let sender = dialled?;
-        *self.current() = Some(Shared {
+        *self.current() = Some(SharedConn {
             sender,
             last_used: Instant::now(),
         });
@@ -427,12 +422,12 @@ mod tests {
     use tokio::net::TcpListener;
     use tokio::time::timeout;
 
+    use super::super::body::Payload;
     use super::{POOL_IDLE_TIMEOUT, Upstream};
     use crate::config::{Direction, Target};
     use crate::conns::Connections;
     use crate::drain::Drain;
     use crate::metrics::Metrics;
-    use crate::proxy::Payload;
 
     /// Long enough for any expiry here (the sweep runs every half of the idle timeout).
     const PATIENCE: Duration = Duration::from_secs(10);

@@ -7,28 +7,26 @@
 //! flowing until it finishes too.
 
 use std::io;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::config::Target;
+use super::ProxyContext;
+use super::quiet::Quiet;
 use crate::conns::{ConnProtocol, ConnState, Connection, Registration};
 use crate::drain::ConnTokens;
-use crate::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, Shared, is_resource_exhaustion};
-use crate::metrics::{ConnectFailure, Timeout};
-use crate::quiet::Quiet;
+use crate::metrics::Timeout;
+use crate::net::{connect, reset};
 
 /// Forwards one accepted connection until both sides close, one fails, or the drain terminates it.
 pub async fn forward(
     client: TcpStream,
     registration: Registration,
     tokens: ConnTokens,
-    shared: &Shared,
+    shared: &ProxyContext,
 ) {
     let conn = registration.conn();
     conn.set_protocol(ConnProtocol::Tcp);
@@ -72,7 +70,7 @@ pub async fn pipe(
     target: TcpStream,
     conn: &Arc<Connection>,
     terminate: &CancellationToken,
-    shared: &Shared,
+    shared: &ProxyContext,
 ) {
     let upstream = copy_one_way(&client, &target, &conn.bytes_from_peer, || {
         conn.set_state(ConnState::PeerClosed)
@@ -228,71 +226,4 @@ pub(crate) async fn discard(from: &TcpStream) {
             Err(_) => return,
         }
     }
-}
-
-/// Connects to `target`, resolving a host name now, within `timeout`. When the process is out
-/// of file descriptors or memory, connecting is retried with back-off until the timeout: the
-/// client keeps its place instead of being reset for the proxy's own shortage.
-pub(crate) async fn connect(
-    target: &Target,
-    timeout: Duration,
-) -> Result<TcpStream, (ConnectFailure, io::Error)> {
-    let attempt = async {
-        let mut backoff = ACCEPT_BACKOFF_MIN;
-        loop {
-            match connect_once(target).await {
-                Err((_, error)) if is_resource_exhaustion(&error) => {
-                    debug!(%error, "no resources to connect to the target yet; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
-                }
-                result => return result,
-            }
-        }
-    };
-    match tokio::time::timeout(timeout, attempt).await {
-        Ok(result) => result,
-        Err(_) => Err((
-            ConnectFailure::Timeout,
-            io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!(
-                    "no connection within {}",
-                    humantime::format_duration(timeout)
-                ),
-            ),
-        )),
-    }
-}
-
-/// One try at every address `target` resolves to.
-async fn connect_once(target: &Target) -> Result<TcpStream, (ConnectFailure, io::Error)> {
-    let addrs: Vec<SocketAddr> = match target {
-        Target::Addr(addr) => vec![*addr],
-        Target::Host { host, port } => tokio::net::lookup_host((host.as_str(), *port))
-            .await
-            .map_err(|error| (ConnectFailure::Resolve, error))?
-            .collect(),
-    };
-    let mut last = io::Error::new(
-        io::ErrorKind::NotFound,
-        format!("{target} resolved to no address"),
-    );
-    for addr in addrs {
-        match TcpStream::connect(addr).await {
-            Ok(stream) => return Ok(stream),
-            Err(error) => last = error,
-        }
-    }
-    let failure = match last.kind() {
-        io::ErrorKind::ConnectionRefused => ConnectFailure::Refused,
-        io::ErrorKind::NotFound => ConnectFailure::Resolve,
-        _ => ConnectFailure::Other,
-    };
-    Err((failure, last))
-}
-
-/// Closes with RST instead of FIN when the socket is dropped.
-pub fn reset(stream: &TcpStream) {
-    let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
 }

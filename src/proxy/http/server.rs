@@ -15,30 +15,30 @@
 //! answer unread bytes with an RST that would cut the last response short.
 
 use std::future::Future as _;
-use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
-use std::pin::{Pin, pin};
+use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::sync::atomic::Ordering;
+use std::task::Poll;
+use std::time::Duration;
 
-use bytes::{Buf, Bytes};
+use bytes::Bytes;
 use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument as _, debug};
 
-use crate::conns::{ConnProtocol, ConnState, Connection, Registration};
+use super::context::{ConnCtx, HttpVersion};
+use super::io::ServerIo;
+use super::service;
+use crate::conns::{ConnProtocol, ConnState, Registration};
 use crate::drain::{Cancelled, ConnTokens};
-use crate::header_block::HeaderBlockWatch;
-use crate::listener::{RouteHandle, Shared};
 use crate::metrics::Timeout;
-use crate::proxy;
-use crate::quiet::Quiet;
+use crate::net;
+use crate::proxy::quiet::Quiet;
+use crate::proxy::tcp;
+use crate::proxy::{ProxyContext, ProxyRoute};
 
 /// How long a closing connection keeps reading (and discarding) after its FIN.
 const LINGER: Duration = Duration::from_secs(2);
@@ -46,98 +46,14 @@ const LINGER: Duration = Duration::from_secs(2);
 /// its PING is answered) before the connection is reset: a stalled client never does.
 const H2_CLOSE_WAIT: Duration = Duration::from_secs(1);
 
-/// How long an HTTP/1 keep-alive connection waits for its next request before it is parked
-/// (its hyper connection and buffers dropped; see [`serve_http1`]). A connection whose requests
-/// come closer together never parks; one that does pays about 2 µs (some 9,000 instructions)
-/// to set up the next request's hyper connection, at most 2 µs per 10 ms: 0.02 % of a CPU. The
-/// shorter the wait, the fewer connections hold their buffers at once when many go idle.
-const PARK_AFTER: Duration = Duration::from_millis(10);
-
-/// Which HTTP a connection speaks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HttpVersion {
-    Http1,
-    Http2,
-}
-
-/// What the proxy service of one connection needs.
-pub struct ConnCtx {
-    pub registration: Arc<Registration>,
-    pub handle: Arc<RouteHandle>,
-    pub shared: Arc<Shared>,
-    pub version: HttpVersion,
-    /// Cancelled when this connection must ask its client to go away.
-    pub go_away: CancellationToken,
-    /// Cancelled when the connection must be reset now; tunnels watch it too.
-    pub terminate: CancellationToken,
-    /// Set at the first request; HTTP/2 connections opened during the lame-duck period wait
-    /// for it before sending GOAWAY.
-    requests_seen: AtomicBool,
-    first_request: Notify,
-    /// Requests started on this connection (HTTP/1 parking: a session parks only after one).
-    requests_started: AtomicU64,
-    /// Request bodies that hyper may still be reading from the client.
-    bodies_open: AtomicU32,
-    /// Set for good once hyper may read on its own between requests (a request body left
-    /// unread, an upgrade): such a connection is never parked.
-    park_off: AtomicBool,
-}
-
-impl ConnCtx {
-    pub fn conn(&self) -> &Arc<Connection> {
-        self.registration.conn()
-    }
-
-    pub fn request_started(&self) {
-        self.requests_started.fetch_add(1, Ordering::AcqRel);
-        if !self.requests_seen.swap(true, Ordering::AcqRel) {
-            self.first_request.notify_one();
-        }
-    }
-
-    /// A request body starts: the connection may not park until it has been read to its end.
-    pub fn body_opened(&self) {
-        self.bodies_open.fetch_add(1, Ordering::AcqRel);
-    }
-
-    /// A request body is done with: read to its end, or dropped before (then hyper drains or
-    /// closes it by itself, reading between requests, and the connection never parks again).
-    pub fn body_closed(&self, read_to_end: bool) {
-        if !read_to_end {
-            self.never_park();
-        }
-        self.bodies_open.fetch_sub(1, Ordering::AcqRel);
-    }
-
-    /// This connection must never be parked (see [`ConnCtx::park_off`]).
-    pub fn never_park(&self) {
-        self.park_off.store(true, Ordering::Release);
-    }
-
-    /// Whether hyper, asking for bytes that are not there, is between requests with nothing
-    /// of the last one left to read: then the session may park. `since` is
-    /// `requests_started` when the session began: it must have served a request of its own.
-    fn may_park(&self, since: u64) -> bool {
-        self.requests_started.load(Ordering::Acquire) > since
-            && self.conn().requests_in_flight.load(Ordering::Acquire) == 0
-            && self.bodies_open.load(Ordering::Acquire) == 0
-            && !self.park_off.load(Ordering::Acquire)
-    }
-
-    /// Whether responses must ask the client to go away (HTTP/1 `connection: close`).
-    pub fn closing(&self) -> bool {
-        self.go_away.is_cancelled()
-    }
-}
-
 /// Serves `stream` as HTTP until the client or the drain closes it.
 pub async fn serve(
     stream: TcpStream,
     version: HttpVersion,
     registration: Registration,
     tokens: ConnTokens,
-    handle: Arc<RouteHandle>,
-    shared: Arc<Shared>,
+    route: Arc<ProxyRoute>,
+    proxy: Arc<ProxyContext>,
 ) {
     let conn = registration.conn().clone();
     let protocol = match version {
@@ -146,29 +62,14 @@ pub async fn serve(
     };
     conn.set_protocol(protocol);
     conn.set_state(ConnState::Open);
-    shared.metrics.connection_opened(conn.direction(), protocol);
+    proxy.metrics.connection_opened(conn.direction(), protocol);
 
-    let ctx = Arc::new(ConnCtx {
-        registration: Arc::new(registration),
-        handle,
-        shared,
-        version,
-        go_away: tokens.go_away,
-        terminate: tokens.terminate.clone(),
-        requests_seen: AtomicBool::new(false),
-        first_request: Notify::new(),
-        requests_started: AtomicU64::new(0),
-        bodies_open: AtomicU32::new(0),
-        park_off: AtomicBool::new(false),
-    });
+    let ctx = Arc::new(ConnCtx::new(registration, route, proxy, version, &tokens));
     match version {
         HttpVersion::Http1 => serve_http1(stream, ctx, &tokens.draining).await,
         HttpVersion::Http2 => {
             let fd = stream.as_raw_fd();
-            let (mut io, came_home) = ServerIo::new(stream, ctx.clone(), Bytes::new(), None);
-            io.header_block = Some(Box::new(HeaderBlockWatch::new(
-                ctx.shared.http.header_read_timeout,
-            )));
+            let (io, came_home) = ServerIo::for_http2(stream, ctx.clone());
             // Boxed: an HTTP/1 connection's future is not sized for HTTP/2's state.
             if Box::pin(serve_http2(TokioIo::new(io), fd, ctx, &tokens.draining)).await {
                 return;
@@ -196,7 +97,7 @@ pub async fn serve(
 async fn serve_http1(stream: TcpStream, ctx: Arc<ConnCtx>, draining: &CancellationToken) {
     let sessions = Box::pin(http1_sessions(stream, &ctx, draining, false));
     if let Some(parked) = sessions.await {
-        let side = ctx.shared.drain.side(ctx.conn().direction());
+        let side = ctx.proxy.drain.side(ctx.conn().direction());
         let parked = keep_alive(parked, ctx.clone(), draining.clone());
         side.tracker
             .spawn(parked.instrument(tracing::Span::current()));
@@ -217,7 +118,7 @@ fn keep_alive(
     async move {
         loop {
             let fd = stream.as_raw_fd();
-            let idle = tokio::time::sleep(ctx.shared.http.header_read_timeout);
+            let idle = tokio::time::sleep(ctx.proxy.http.header_read_timeout);
             let drain = draining.cancelled();
             tokio::pin!(idle, drain);
             let wake = std::future::poll_fn(|cx| {
@@ -236,10 +137,10 @@ fn keep_alive(
                 Wake::Readable => false,
                 // The grace period ran out, or a second signal: `force_close` cancels
                 // `draining` and `terminate` together.
-                Wake::Draining if ctx.terminate.is_cancelled() => return reset_fd(fd),
+                Wake::Draining if ctx.terminate.is_cancelled() => return reset_client(fd),
                 // The listeners closed: a parked connection is idle, unless a request's
                 // bytes have just arrived (then it is served, with `connection: close`).
-                Wake::Draining if unread_bytes(fd) == 0 => return,
+                Wake::Draining if net::unread_bytes(fd) == 0 => return,
                 Wake::Draining => true,
                 // The client went away, or stayed idle for the header read timeout (hyper's
                 // keep-alive timeout, which the parking keeps).
@@ -301,7 +202,7 @@ async fn http1_session(
     mut closing: bool,
 ) -> Session {
     let fd = stream.as_raw_fd();
-    let config = &ctx.shared.http;
+    let config = &ctx.proxy.http;
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
@@ -315,7 +216,7 @@ async fn http1_session(
     // (about 1.7 KiB), so a box would only add an allocation per request; a parked connection
     // has no session, so idle connections do not hold it.
     let service =
-        hyper::service::service_fn(move |request| proxy::handle(service_ctx.clone(), request));
+        hyper::service::service_fn(move |request| service::handle(service_ctx.clone(), request));
     let mut connection = builder
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
@@ -333,14 +234,14 @@ async fn http1_session(
             _ = &mut drain, if !closing => {
                 closing = true;
                 let idle = ctx.conn().requests_in_flight.load(Ordering::Acquire) == 0
-                    && unread_bytes(fd) == 0;
+                    && net::unread_bytes(fd) == 0;
                 if idle {
                     Pin::new(&mut connection).graceful_shutdown();
                 }
             }
             // The grace period ran out, or a second signal.
             _ = &mut terminate => {
-                reset_fd(fd);
+                reset_client(fd);
                 return Session::Done;
             }
         }
@@ -377,7 +278,7 @@ async fn serve_http2(
     ctx: Arc<ConnCtx>,
     draining: &CancellationToken,
 ) -> bool {
-    let config = &ctx.shared.http;
+    let config = &ctx.proxy.http;
     let mut builder = http2::Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
@@ -386,7 +287,7 @@ async fn serve_http2(
     let service_ctx = ctx.clone();
     // Boxed: each stream's task then moves a pointer, not the whole future.
     let service = hyper::service::service_fn(move |request| {
-        Box::pin(proxy::handle(service_ctx.clone(), request))
+        Box::pin(service::handle(service_ctx.clone(), request))
     });
     let connection = builder.serve_connection(io, service);
     tokio::pin!(connection);
@@ -439,7 +340,7 @@ async fn serve_http2(
                     continue;
                 }
                 debug!("HTTP/2: no first request within the header read timeout; closing");
-                ctx.shared.metrics.timed_out(Timeout::Http2FirstRequest);
+                ctx.proxy.metrics.timed_out(Timeout::Http2FirstRequest);
                 sent_go_away = true;
                 connection.as_mut().graceful_shutdown();
                 closed_by = Some(tokio::time::Instant::now() + H2_CLOSE_WAIT);
@@ -448,7 +349,7 @@ async fn serve_http2(
             () = async { idle.as_mut().expect("guarded").expired(started, busy).await },
                 if idle.is_some() && !sent_go_away => {
                 debug!("HTTP/2: idle for the idle timeout; GOAWAY");
-                ctx.shared.metrics.timed_out(Timeout::Http2Idle);
+                ctx.proxy.metrics.timed_out(Timeout::Http2Idle);
                 sent_go_away = true;
                 connection.as_mut().graceful_shutdown();
                 closed_by = Some(tokio::time::Instant::now() + H2_CLOSE_WAIT);
@@ -461,12 +362,12 @@ async fn serve_http2(
                     closed_by = None;
                     continue;
                 }
-                reset_fd(fd);
+                reset_client(fd);
                 return true;
             }
             // The grace period ran out, or a second signal.
             _ = ctx.terminate.cancelled() => {
-                reset_fd(fd);
+                reset_client(fd);
                 return true;
             }
         }
@@ -478,7 +379,7 @@ async fn serve_http2(
 async fn linger(stream: TcpStream, terminate: &CancellationToken) {
     tokio::select! {
         // The client closed its side too (or failed).
-        () = crate::tcp::discard(&stream) => {}
+        () = tcp::discard(&stream) => {}
         // The client kept sending (or stayed silent) for too long.
         _ = tokio::time::sleep(LINGER) => {}
         // The grace period ran out, or a second signal.
@@ -486,219 +387,9 @@ async fn linger(stream: TcpStream, terminate: &CancellationToken) {
     }
 }
 
-/// Bytes waiting in the socket's receive queue.
-fn unread_bytes(fd: RawFd) -> usize {
-    let mut pending: libc::c_int = 0;
-    // SAFETY: FIONREAD writes one int; `fd` belongs to a socket that the caller keeps open.
-    let rc = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut pending) };
-    if rc == 0 { pending.max(0) as usize } else { 0 }
-}
-
-/// Makes the socket send an RST when it is closed.
-fn reset_fd(fd: RawFd) {
+/// Makes the client socket send an RST when hyper drops it.
+fn reset_client(fd: RawFd) {
     // SAFETY: the caller still owns the socket (inside the hyper connection it is about to
     // drop), so `fd` is open for the duration of this call.
-    let socket = unsafe { BorrowedFd::borrow_raw(fd) };
-    let _ = socket2::SockRef::from(&socket).set_linger(Some(Duration::ZERO));
-}
-
-/// The client socket as hyper sees it: counts bytes both ways, and when hyper drops it after
-/// the proxy sent its FIN, hands the socket back for a lingering close. For HTTP/1 it also
-/// parks the session (see [`serve_http1`]).
-pub struct ServerIo {
-    stream: Option<TcpStream>,
-    ctx: Arc<ConnCtx>,
-    fin_sent: bool,
-    eof: bool,
-    home: Option<oneshot::Sender<TcpStream>>,
-    /// Bytes read by an earlier session but not parsed by it: read before the socket.
-    prefix: Bytes,
-    /// `Some(n)`: this session may park once the connection's request count passes `n`.
-    park_after: Option<u64>,
-    /// The session parked: its EOF was pretended, and its shutdown must send no FIN.
-    parked: bool,
-    /// Since when hyper has been waiting for a next request that has not come.
-    idle_since: Option<Instant>,
-    /// Wakes the session when it has been idle for [`PARK_AFTER`].
-    park_timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    /// HTTP/2: the bound on a header block in progress.
-    header_block: Option<Box<HeaderBlockWatch>>,
-}
-
-impl ServerIo {
-    fn new(
-        stream: TcpStream,
-        ctx: Arc<ConnCtx>,
-        prefix: Bytes,
-        park_after: Option<u64>,
-    ) -> (ServerIo, oneshot::Receiver<TcpStream>) {
-        let (home, came_home) = oneshot::channel();
-        let io = ServerIo {
-            stream: Some(stream),
-            ctx,
-            fin_sent: false,
-            eof: false,
-            home: Some(home),
-            prefix,
-            park_after,
-            parked: false,
-            idle_since: None,
-            park_timer: None,
-            header_block: None,
-        };
-        (io, came_home)
-    }
-
-    /// The socket, taken out for a tunnel after an upgrade.
-    pub fn into_stream(mut self) -> Option<TcpStream> {
-        self.home = None;
-        self.stream.take()
-    }
-
-    fn stream(&mut self) -> io::Result<&mut TcpStream> {
-        self.stream
-            .as_mut()
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))
-    }
-
-    fn count_read(&self, read: usize) {
-        self.ctx
-            .conn()
-            .bytes_from_peer
-            .fetch_add(read as u64, Ordering::Relaxed);
-    }
-
-    fn count_written(&self, written: usize) {
-        self.ctx
-            .conn()
-            .bytes_to_peer
-            .fetch_add(written as u64, Ordering::Relaxed);
-    }
-
-    /// hyper waits, between requests, for a next one that is not there: once that has lasted
-    /// [`PARK_AFTER`], the read ends as an EOF and the session parks.
-    fn poll_park(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let now = Instant::now();
-        let deadline = *self.idle_since.get_or_insert(now) + PARK_AFTER;
-        if now < deadline {
-            let timer = self
-                .park_timer
-                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline.into())));
-            if timer.deadline() != deadline.into() {
-                timer.as_mut().reset(deadline.into());
-            }
-            if timer.as_mut().poll(cx).is_pending() {
-                return Poll::Pending;
-            }
-        }
-        self.parked = true;
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl Drop for ServerIo {
-    fn drop(&mut self) {
-        // Only bytes still unread in the kernel would turn the close into an RST; with none,
-        // the close is a plain FIN and nothing needs to linger.
-        if self.fin_sent
-            && !self.eof
-            && let Some(stream) = self
-                .stream
-                .take_if(|stream| unread_bytes(stream.as_raw_fd()) > 0)
-            && let Some(home) = self.home.take()
-        {
-            let _ = home.send(stream);
-        }
-    }
-}
-
-impl AsyncRead for ServerIo {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        // Before the first request the first-request bound covers a header block too.
-        let this = &mut *self;
-        if let Some(watch) = &mut this.header_block
-            && this.ctx.requests_seen.load(Ordering::Acquire)
-            && let Poll::Ready(error) = watch.poll_expired(cx)
-        {
-            debug!(%error, "HTTP/2: closing");
-            self.ctx.shared.metrics.timed_out(Timeout::Http2HeaderBlock);
-            return Poll::Ready(Err(error));
-        }
-        if !self.prefix.is_empty() {
-            let n = self.prefix.len().min(buf.remaining());
-            buf.put_slice(&self.prefix[..n]);
-            self.prefix.advance(n);
-            return Poll::Ready(Ok(()));
-        }
-        let before = buf.filled().len();
-        match Pin::new(self.stream()?).poll_read(cx, buf) {
-            Poll::Ready(Ok(())) => {
-                let read = buf.filled().len() - before;
-                if read == 0 {
-                    self.eof = true;
-                }
-                if let Some(watch) = &mut self.header_block {
-                    watch.read(&buf.filled()[before..]);
-                }
-                self.idle_since = None;
-                self.count_read(read);
-                Poll::Ready(Ok(()))
-            }
-            Poll::Pending => match self.park_after {
-                Some(since) if self.ctx.may_park(since) => self.poll_park(cx),
-                _ => Poll::Pending,
-            },
-            error => error,
-        }
-    }
-}
-
-impl AsyncWrite for ServerIo {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let poll = Pin::new(self.stream()?).poll_write(cx, buf);
-        if let Poll::Ready(Ok(written)) = poll {
-            self.count_written(written);
-        }
-        poll
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let poll = Pin::new(self.stream()?).poll_write_vectored(cx, bufs);
-        if let Poll::Ready(Ok(written)) = poll {
-            self.count_written(written);
-        }
-        poll
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        true
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(self.stream()?).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if self.parked {
-            // The session parked: the connection stays open.
-            return Poll::Ready(Ok(()));
-        }
-        let poll = Pin::new(self.stream()?).poll_shutdown(cx);
-        if poll.is_ready() {
-            self.fin_sent = true;
-        }
-        poll
-    }
+    net::reset(unsafe { BorrowedFd::borrow_raw(fd) });
 }

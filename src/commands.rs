@@ -1,0 +1,11 @@
+//! The subcommands other than the proxy itself. Each runs on its own, talking to a running
+//! proxy only through its admin API or its drain socket; none is part of the data path.
+//! - [`r#await`]: `lameduck await`, an app (a Job's) run under the proxy's lifecycle;
+//! - [`hook`]: `lameduck prestop` / `poststart`, the app containers' Kubernetes hooks;
+//! - [`inject`]: `lameduck inject`, the proxy added to Kubernetes workloads;
+//! - [`status`]: `lameduck status`, the proxy's state for people.
+
+pub mod r#await;
+pub mod hook;
+pub mod inject;
+pub mod status;

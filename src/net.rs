@@ -1,0 +1,295 @@
+//! Sockets, below everything else: binding a listener, closing it without resetting a
+//! handshake in progress, the connection limit from the file-descriptor limit, connecting to a
+//! target, resetting a socket, and the back-off and error handling shared by accept loops and
+//! connects. Nothing here knows about routes, protocols or the drain.
+
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, RawFd};
+use std::time::Duration;
+
+use socket2::{Domain, Socket, Type};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tracing::{debug, warn};
+
+use crate::config::Target;
+use crate::logging::Throttle;
+
+/// Queue length for connections whose handshake is done but which are not yet accepted.
+const LISTEN_BACKLOG: i32 = 1024;
+/// At most one log line per this interval about exhausted resources.
+const EXHAUSTION_LOG_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Binds a listening TCP socket on `addr`.
+pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(LISTEN_BACKLOG)?;
+    TcpListener::from_std(socket.into())
+}
+
+/// Makes the kernel drop new handshakes on `listener` (their clients retry, and meet the closed
+/// port once it is closed) while connections whose handshake is done can still be accepted.
+pub fn refuse_new_handshakes(listener: &std::net::TcpListener) -> io::Result<()> {
+    socket2::SockRef::from(listener).attach_filter(&DROP_SYN)
+}
+
+/// A classic BPF socket filter that drops TCP segments with SYN set (the flags are byte 13 of
+/// the TCP header, where a socket filter starts) and keeps the rest: the last segment of a
+/// handshake already under way, and data, still come in.
+const DROP_SYN: [libc::sock_filter; 4] = [
+    bpf(libc::BPF_LD | libc::BPF_B | libc::BPF_ABS, 0, 0, 13),
+    bpf(libc::BPF_JMP | libc::BPF_JSET | libc::BPF_K, 0, 1, 0x02),
+    bpf(libc::BPF_RET | libc::BPF_K, 0, 0, 0),
+    bpf(libc::BPF_RET | libc::BPF_K, 0, 0, u32::MAX),
+];
+
+const fn bpf(code: u32, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
+    libc::sock_filter {
+        code: code as u16,
+        jt,
+        jf,
+        k,
+    }
+}
+
+/// File descriptors kept for everything that is not a proxy connection: the runtime, the
+/// listeners, admin connections, name resolution.
+const RESERVED_FDS: u64 = 32;
+
+/// How many proxy connections may be open at once: each holds two file descriptors (client
+/// and target). Raises the soft file-descriptor limit to the hard one first, as servers do;
+/// beyond the limit new connections wait in the kernel's listen queue instead of failing.
+pub fn connection_limit() -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read or write the struct passed to them.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return Semaphore::MAX_PERMITS;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: limit.rlim_max,
+                rlim_max: limit.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit = raised;
+            }
+        }
+    }
+    if limit.rlim_cur == libc::RLIM_INFINITY {
+        return Semaphore::MAX_PERMITS;
+    }
+    let pairs = limit.rlim_cur.saturating_sub(RESERVED_FDS) / 2;
+    (pairs.max(1) as usize).min(Semaphore::MAX_PERMITS)
+}
+
+/// Errors that say the process ran out of something, not that one connection went bad.
+pub fn is_resource_exhaustion(error: &io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+/// A pause after a failure that the next try would meet again at once (the process is out of
+/// file descriptors or memory): doubles from [`Backoff::MIN`] to [`Backoff::MAX`], and starts
+/// over after a success.
+#[derive(Debug)]
+pub struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    /// Short enough that a freed descriptor is used soon, long enough not to spin.
+    pub const MIN: Duration = Duration::from_millis(5);
+    /// Bounds the wait once resources are back.
+    pub const MAX: Duration = Duration::from_millis(100);
+
+    /// Waits for the current pause, then doubles it.
+    pub async fn wait(&mut self) {
+        tokio::time::sleep(self.next).await;
+        self.next = (self.next * 2).min(Self::MAX);
+    }
+
+    /// A try succeeded: the next failure waits the shortest pause again.
+    pub fn reset(&mut self) {
+        self.next = Self::MIN;
+    }
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff { next: Self::MIN }
+    }
+}
+
+/// What an accept loop does after an error: skip a connection that died in the queue, back
+/// off when the process ran out of resources (the error repeats at once until something is
+/// freed, so retrying straight away would spin), and log the latter at most once per
+/// [`EXHAUSTION_LOG_INTERVAL`].
+pub struct AcceptErrors {
+    backoff: Backoff,
+    log: Throttle,
+}
+
+impl Default for AcceptErrors {
+    fn default() -> Self {
+        AcceptErrors {
+            backoff: Backoff::default(),
+            log: Throttle::new(EXHAUSTION_LOG_INTERVAL),
+        }
+    }
+}
+
+impl AcceptErrors {
+    /// An accept succeeded: the next exhaustion starts with the shortest pause again.
+    pub fn succeeded(&mut self) {
+        self.backoff.reset();
+    }
+
+    /// Handles one accept error; resolves when accepting may be tried again.
+    pub async fn failed(&mut self, error: &io::Error, listen: SocketAddr) {
+        if !is_resource_exhaustion(error) {
+            // ECONNABORTED and friends: that connection is gone, the next one may be fine.
+            debug!(%listen, %error, "accept failed for one connection");
+            return;
+        }
+        if let Some(suppressed) = self.log.due() {
+            warn!(%listen, %error, suppressed, "accept failed: out of resources, backing off");
+        }
+        self.backoff.wait().await;
+    }
+}
+
+/// Connects to `target`, resolving a host name now, within `timeout`. When the process is out
+/// of file descriptors or memory, connecting is retried with back-off until the timeout: the
+/// client keeps its place instead of being reset for the proxy's own shortage.
+pub(crate) async fn connect(
+    target: &Target,
+    timeout: Duration,
+) -> Result<TcpStream, (ConnectFailure, io::Error)> {
+    let attempt = async {
+        let mut backoff = Backoff::default();
+        loop {
+            match connect_once(target).await {
+                Err((_, error)) if is_resource_exhaustion(&error) => {
+                    debug!(%error, "no resources to connect to the target yet; retrying");
+                    backoff.wait().await;
+                }
+                result => return result,
+            }
+        }
+    };
+    match tokio::time::timeout(timeout, attempt).await {
+        Ok(result) => result,
+        Err(_) => Err((
+            ConnectFailure::Timeout,
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "no connection within {}",
+                    humantime::format_duration(timeout)
+                ),
+            ),
+        )),
+    }
+}
+
+/// One try at every address `target` resolves to.
+async fn connect_once(target: &Target) -> Result<TcpStream, (ConnectFailure, io::Error)> {
+    let addrs: Vec<SocketAddr> = match target {
+        Target::Addr(addr) => vec![*addr],
+        Target::Host { host, port } => tokio::net::lookup_host((host.as_str(), *port))
+            .await
+            .map_err(|error| (ConnectFailure::Resolve, error))?
+            .collect(),
+    };
+    let mut last = io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("{target} resolved to no address"),
+    );
+    for addr in addrs {
+        match TcpStream::connect(addr).await {
+            Ok(stream) => return Ok(stream),
+            Err(error) => last = error,
+        }
+    }
+    let failure = match last.kind() {
+        io::ErrorKind::ConnectionRefused => ConnectFailure::Refused,
+        io::ErrorKind::NotFound => ConnectFailure::Resolve,
+        _ => ConnectFailure::Other,
+    };
+    Err((failure, last))
+}
+
+/// Why connecting to a target failed.
+#[derive(Clone, Copy, Debug)]
+pub enum ConnectFailure {
+    Refused,
+    Timeout,
+    Resolve,
+    Other,
+}
+
+impl ConnectFailure {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConnectFailure::Refused => "refused",
+            ConnectFailure::Timeout => "timeout",
+            ConnectFailure::Resolve => "resolve",
+            ConnectFailure::Other => "other",
+        }
+    }
+}
+
+/// Makes the socket send an RST instead of a FIN when it is closed: a peer must never mistake
+/// a broken stream for a complete one.
+pub fn reset(socket: impl AsFd) {
+    let _ = socket2::SockRef::from(&socket).set_linger(Some(Duration::ZERO));
+}
+
+/// Bytes waiting in the socket's receive queue.
+pub fn unread_bytes(fd: RawFd) -> usize {
+    let mut pending: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int; `fd` belongs to a socket that the caller keeps open.
+    let rc = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut pending) };
+    if rc == 0 { pending.max(0) as usize } else { 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::time::Duration;
+
+    use super::DROP_SYN;
+
+    /// Once the filter is on, a new connection attempt does not complete (its SYN is dropped),
+    /// while a connection whose handshake was done already is accepted with its bytes.
+    #[test]
+    fn the_closing_filter_drops_new_handshakes_and_keeps_queued_connections() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut queued = TcpStream::connect(addr).unwrap();
+        socket2::SockRef::from(&listener)
+            .attach_filter(&DROP_SYN)
+            .unwrap();
+        queued.write_all(b"request").unwrap();
+        let late = TcpStream::connect_timeout(&addr, Duration::from_millis(300));
+        assert!(late.is_err(), "a handshake completed after the filter");
+        let (mut accepted, _) = listener.accept().unwrap();
+        accepted
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut bytes = [0u8; 7];
+        accepted.read_exact(&mut bytes).unwrap();
+        assert_eq!(&bytes, b"request");
+    }
+}

@@ -1,0 +1,229 @@
+//! Listening sockets and the accept loop of every proxy route.
+//!
+//! [`bind`] opens a socket with the options the proxy wants (address reuse, a deep backlog).
+//! [`accept_loop`] hands each accepted connection to the route's handler as a task tracked by
+//! the side's [`TaskTracker`](tokio_util::task::TaskTracker). It accepts only while the
+//! process is under its [`connection_limit`] (otherwise clients wait in the kernel's queue),
+//! backs off instead of spinning when accepting fails for lack of file descriptors or memory,
+//! and when its side's listeners close, accepts what the kernel already queued (those clients
+//! completed their handshake) before closing the socket, so that later connection attempts are
+//! refused at once. Each connection is then served by its route's protocol: opaque TCP, or
+//! protocol detection followed by HTTP or TCP.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::OwnedSemaphorePermit;
+use tracing::{Instrument, debug, info, warn};
+
+use super::detect::{self, Detected};
+use super::http::{self, HttpVersion};
+use super::tcp;
+use super::{ProxyContext, ProxyRoute};
+use crate::config::{Protocol, Route};
+use crate::conns::{ConnProtocol, Registration};
+use crate::drain::{ConnTokens, Side};
+use crate::logging::Throttle;
+use crate::net::{self, AcceptErrors};
+
+/// At most one log line per this interval about the connection limit holding clients back.
+const AT_LIMIT_LOG_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Accepts connections for `route` until `side`'s listeners close.
+pub async fn accept_loop(
+    listener: TcpListener,
+    handle: Arc<ProxyRoute>,
+    shared: Arc<ProxyContext>,
+    side: Arc<Side>,
+) {
+    let route = &handle.route;
+    let mut errors = AcceptErrors::default();
+    let mut at_limit_log = Throttle::new(AT_LIMIT_LOG_INTERVAL);
+    loop {
+        let Some(permit) = room_for_one_more(&shared, &side, route, &mut at_limit_log).await else {
+            break;
+        };
+        let accepted = tokio::select! {
+            // Closing wins over a ready connection so that a flood of connects cannot delay
+            // the refusal promised after the shutdown.
+            biased;
+            // The shutdown sequence closed this side's listeners.
+            _ = side.close_listeners.cancelled() => break,
+            // A client connected, or accept failed.
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                errors.succeeded();
+                spawn_connection(stream, peer, &handle, &shared, &side, Some(permit));
+            }
+            Err(error) => {
+                shared.metrics.accept_failed(route.direction);
+                tokio::select! {
+                    // The shutdown sequence closed this side's listeners while backing off.
+                    _ = side.close_listeners.cancelled() => break,
+                    // The pause after the error (none for an error of one connection) is over.
+                    _ = errors.failed(&error, route.listen) => {}
+                }
+            }
+        }
+    }
+    accept_queued(listener, &handle, &shared, &side);
+    info!(direction = %route.direction, listen = %route.listen, "listener closed");
+}
+
+/// Waits for a permit under the connection limit, logging (at most once per
+/// [`AT_LIMIT_LOG_INTERVAL`]) when the limit holds new connections back. `None` when the
+/// route's listeners close meanwhile.
+async fn room_for_one_more(
+    shared: &ProxyContext,
+    side: &Side,
+    route: &Route,
+    log: &mut Throttle,
+) -> Option<OwnedSemaphorePermit> {
+    if let Ok(permit) = shared.limit.clone().try_acquire_owned() {
+        return Some(permit);
+    }
+    shared.metrics.limit_reached();
+    if let Some(suppressed) = log.due() {
+        warn!(
+            listen = %route.listen,
+            open = shared.conns.len(),
+            suppressed,
+            "at the connection limit set by the file-descriptor limit; new connections wait in the listen queue"
+        );
+    }
+    tokio::select! {
+        // The shutdown sequence closed this side's listeners.
+        _ = side.close_listeners.cancelled() => None,
+        // A connection closed and gave its permit back.
+        permit = shared.limit.clone().acquire_owned() => permit.ok(),
+    }
+}
+
+/// Accepts every connection already in the kernel's queue, then closes the listener.
+fn accept_queued(
+    listener: TcpListener,
+    handle: &Arc<ProxyRoute>,
+    shared: &Arc<ProxyContext>,
+    side: &Side,
+) {
+    let route = &handle.route;
+    let listener = match listener.into_std() {
+        Ok(listener) => listener,
+        Err(error) => {
+            warn!(%error, "could not take the listener out of the runtime; queued connections are dropped");
+            return;
+        }
+    };
+    // From here on the kernel drops new SYNs (their clients retry, and meet the closed port):
+    // no connection completes its handshake between the last accept and the close, where the
+    // close would reset it after its client had sent a request.
+    if let Err(error) = net::refuse_new_handshakes(&listener) {
+        debug!(%error, "could not filter new handshakes out before closing the listener");
+    }
+    let mut queued = 0usize;
+    loop {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                let stream = stream
+                    .set_nonblocking(true)
+                    .and_then(|()| TcpStream::from_std(stream));
+                match stream {
+                    Ok(stream) => {
+                        queued += 1;
+                        // Over the limit if need be: these clients were already accepted by the kernel.
+                        let permit = shared.limit.clone().try_acquire_owned().ok();
+                        spawn_connection(stream, peer, handle, shared, side, permit);
+                    }
+                    Err(error) => debug!(%error, %peer, "could not register a queued connection"),
+                }
+            }
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
+            Err(error) if net::is_resource_exhaustion(&error) => {
+                warn!(%error, "out of resources while accepting queued connections; the rest are reset");
+                break;
+            }
+            Err(_) => continue,
+        }
+    }
+    // Closing the socket makes the kernel refuse new connection attempts.
+    drop(listener);
+    if queued > 0 {
+        info!(direction = %route.direction, listen = %route.listen, queued, "accepted queued connections while closing");
+    }
+}
+
+fn spawn_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    handle: &Arc<ProxyRoute>,
+    shared: &Arc<ProxyContext>,
+    side: &Side,
+    permit: Option<OwnedSemaphorePermit>,
+) {
+    let route = &handle.route;
+    let protocol = match route.protocol {
+        Protocol::Tcp => ConnProtocol::Tcp,
+        Protocol::Auto | Protocol::Http => ConnProtocol::Detecting,
+    };
+    let registration = shared.conns.register(route.clone(), peer, protocol, permit);
+    let tokens = side.conn_tokens();
+    let span = tracing::debug_span!("conn", id = registration.conn().id, direction = %route.direction, %peer, target = %route.target);
+    let handle = handle.clone();
+    let shared = shared.clone();
+    side.tracker
+        .spawn(serve(stream, registration, tokens, handle, shared).instrument(span));
+}
+
+/// Serves one connection by its route's protocol, detecting it on `auto` and `http` routes.
+async fn serve(
+    stream: TcpStream,
+    registration: Registration,
+    tokens: ConnTokens,
+    handle: Arc<ProxyRoute>,
+    shared: Arc<ProxyContext>,
+) {
+    let protocol = handle.route.protocol;
+    // The protocol's own future is boxed once it is known, so that a connection holds only
+    // the state of the protocol it speaks (the task is sized for its largest variant).
+    if protocol == Protocol::Tcp {
+        return Box::pin(tcp::forward(stream, registration, tokens, &shared)).await;
+    }
+    // An `http` route waits for the first bytes only as long as for a request's headers.
+    let http_only = protocol == Protocol::Http;
+    let wait = match http_only {
+        true => shared.http.header_read_timeout,
+        false => shared.http.detect_timeout,
+    };
+    let detected = tokio::select! {
+        // The grace period ran out while the client was silent.
+        _ = tokens.terminate.cancelled() => Detected::Closed,
+        // Boxed, so that the connection's task is not sized for the detection's state.
+        detected = Box::pin(detect::detect(&stream, http_only, wait, &tokens.draining)) => detected,
+    };
+    let version = match detected {
+        Detected::Http1 => HttpVersion::Http1,
+        Detected::Http2 => HttpVersion::Http2,
+        // Not HTTP, or a server-speaks-first protocol: opaque TCP.
+        Detected::Tcp | Detected::Silent if !http_only => {
+            return Box::pin(tcp::forward(stream, registration, tokens, &shared)).await;
+        }
+        Detected::Tcp | Detected::Silent | Detected::Closed => {
+            debug!(?detected, "closing a connection that sent no request");
+            return;
+        }
+    };
+    Box::pin(http::serve(
+        stream,
+        version,
+        registration,
+        tokens,
+        handle,
+        shared,
+    ))
+    .await;
+}

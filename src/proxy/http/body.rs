@@ -1,0 +1,208 @@
+//! Bodies on their way through: streamed from a peer or the proxy's own, bounded when they
+//! stall, and the accounting that ends with them (a request in flight, a pooled connection's
+//! lease, an HTTP/1 request body read to its end).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::{Request, StatusCode};
+use prometheus_client::metrics::counter::Counter;
+
+use super::context::{ConnCtx, HttpVersion};
+use crate::conns::Connection;
+
+/// Counts a request as in flight from its head to the end of its response body.
+pub struct InFlight {
+    conn: Arc<Connection>,
+    started: Instant,
+    duration: prometheus_client::metrics::histogram::Histogram,
+}
+
+impl InFlight {
+    pub(super) fn start(ctx: &ConnCtx) -> InFlight {
+        let conn = ctx.conn().clone();
+        conn.requests_in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight {
+            duration: ctx.proxy.metrics.request_duration(conn.direction()),
+            conn,
+            started: Instant::now(),
+        }
+    }
+
+    pub(super) fn record_status(&self, ctx: &ConnCtx, status: StatusCode) {
+        ctx.proxy
+            .metrics
+            .request_finished(self.conn.direction(), status.as_u16());
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.conn.requests_in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.duration.observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
+/// A body: one streamed from a peer, or a few bytes of the proxy's own (or none). Request
+/// bodies towards the target (a replay has none) and response bodies are both this.
+pub enum Payload {
+    Stream(Incoming, Stall),
+    /// A client's HTTP/1 request body on its way to the target, watched to its end.
+    Request(Incoming, RequestBodyGuard, Stall),
+    Bytes(Option<Bytes>),
+}
+
+/// What a body's poll may fail with: the peer's error, or [`BodyStalled`].
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A streamed body whose bytes stopped coming for `--http-body-timeout`.
+#[derive(Debug)]
+pub struct BodyStalled(Duration);
+
+impl std::fmt::Display for BodyStalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "no byte of the body for {}",
+            humantime::format_duration(self.0)
+        )
+    }
+}
+
+impl std::error::Error for BodyStalled {}
+
+/// The bound on a streamed body whose bytes stop coming. A body that is ready when polled
+/// costs nothing; the timer is made at the first wait and re-armed only after progress.
+pub struct Stall {
+    /// The limit, and the counter of bodies it failed.
+    limit: Option<(Duration, Counter)>,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    moved: bool,
+}
+
+impl Stall {
+    pub fn new(limit: Option<Duration>, timeouts: &Counter) -> Stall {
+        Stall {
+            limit: limit.map(|limit| (limit, timeouts.clone())),
+            timer: None,
+            moved: false,
+        }
+    }
+
+    /// Passes a ready poll on; turns a wait longer than the limit into [`BodyStalled`].
+    pub(super) fn watch(
+        &mut self,
+        poll: Poll<Option<Result<Frame<Bytes>, BodyError>>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let Some((limit, timeouts)) = &self.limit else {
+            return poll;
+        };
+        let limit = *limit;
+        if poll.is_ready() {
+            self.moved = true;
+            return poll;
+        }
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        if std::mem::take(&mut self.moved) {
+            timer.as_mut().reset(tokio::time::Instant::now() + limit);
+        }
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                timeouts.inc();
+                Poll::Ready(Some(Err(Box::new(BodyStalled(limit)))))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// Tells an HTTP/1 connection when a request body has been read to its end (or dropped before
+/// it), so that the connection is parked only between requests.
+pub struct RequestBodyGuard {
+    ctx: Arc<ConnCtx>,
+    ended: bool,
+}
+
+impl RequestBodyGuard {
+    pub(super) fn watch(
+        ctx: &Arc<ConnCtx>,
+        request: &Request<Incoming>,
+    ) -> Option<RequestBodyGuard> {
+        if ctx.version != HttpVersion::Http1 || request.body().is_end_stream() {
+            return None;
+        }
+        ctx.body_opened();
+        Some(RequestBodyGuard {
+            ctx: ctx.clone(),
+            ended: false,
+        })
+    }
+}
+
+impl Drop for RequestBodyGuard {
+    fn drop(&mut self) {
+        self.ctx.body_closed(self.ended);
+    }
+}
+
+impl Body for Payload {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        match self.get_mut() {
+            Payload::Stream(body, stall) => {
+                let poll = Pin::new(body).poll_frame(cx).map_err(Into::into);
+                stall.watch(poll, cx)
+            }
+            Payload::Request(body, watch, stall) => {
+                let poll = Pin::new(&mut *body).poll_frame(cx).map_err(Into::into);
+                if reached_end(&poll, &*body) {
+                    watch.ended = true;
+                }
+                stall.watch(poll, cx)
+            }
+            Payload::Bytes(bytes) => Poll::Ready(bytes.take().map(|bytes| Ok(Frame::data(bytes)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Payload::Stream(body, _) | Payload::Request(body, _, _) => body.is_end_stream(),
+            Payload::Bytes(bytes) => bytes.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Payload::Stream(body, _) | Payload::Request(body, _, _) => body.size_hint(),
+            Payload::Bytes(bytes) => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+            }
+        }
+    }
+}
+
+/// Whether `body`, having answered `poll`, has been read to its end: no more frames, or the
+/// last one (hyper may never poll a body again once it says it is at its end).
+pub(super) fn reached_end<B: Body, E>(
+    poll: &Poll<Option<Result<Frame<Bytes>, E>>>,
+    body: &B,
+) -> bool {
+    match poll {
+        Poll::Ready(None) => true,
+        Poll::Ready(Some(Ok(_))) => body.is_end_stream(),
+        _ => false,
+    }
+}

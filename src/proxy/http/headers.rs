@@ -1,0 +1,250 @@
+//! Headers and framing: what RFC 9110 and RFC 9112 refuse that hyper lets through, hop-by-hop
+//! headers, and the request target each HTTP version is sent with.
+
+use hyper::body::{Body, Incoming};
+use hyper::header::{
+    CONNECTION, HOST, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING, UPGRADE,
+};
+use hyper::{Method, Request, Response, StatusCode, Uri};
+
+use super::context::HttpVersion;
+
+/// Headers that concern one hop only (RFC 9110 section 7.6.1), besides those `Connection` names.
+static HOP_BY_HOP: [HeaderName; 7] = [
+    CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    TE,
+    TRANSFER_ENCODING,
+    UPGRADE,
+    HeaderName::from_static("http2-settings"),
+];
+
+/// WebSocket-style upgrades (`Connection: upgrade` with `Upgrade`) and CONNECT.
+pub(super) fn wants_upgrade(request: &Request<Incoming>) -> bool {
+    if request.method() == Method::CONNECT {
+        return true;
+    }
+    request.headers().contains_key(UPGRADE)
+        && request
+            .headers()
+            .get_all(CONNECTION)
+            .iter()
+            .any(|value| tokens(value).any(|token| token.eq_ignore_ascii_case("upgrade")))
+}
+
+/// Request framing that RFC 9112 and RFC 9110 refuse and hyper lets through: more than one
+/// `Host` (400), a transfer coding other than `chunked` (501) or `chunked` twice (400), and a
+/// CONNECT whose target is not `host:port` (400).
+pub(super) fn check_framing(
+    request: &Request<Incoming>,
+    version: HttpVersion,
+) -> Result<(), (StatusCode, String)> {
+    let headers = request.headers();
+    let bad = |why: &str| Err((StatusCode::BAD_REQUEST, format!("bad request: {why}\n")));
+    // Both checks are skipped by what the usual request looks like, at no cost: no header
+    // repeated (values and names counted alike), no body.
+    if version == HttpVersion::Http1 && headers.len() != headers.keys_len() {
+        let mut hosts = headers.get_all(HOST).iter();
+        if hosts.next().is_some() && hosts.next().is_some() {
+            return bad("more than one Host");
+        }
+    }
+    if version == HttpVersion::Http1 && !request.body().is_end_stream() {
+        let mut chunked = 0;
+        for value in headers.get_all(TRANSFER_ENCODING) {
+            let Ok(codings) = value.to_str() else {
+                return bad("Transfer-Encoding is not text");
+            };
+            for coding in codings.split(',').map(str::trim) {
+                if coding.eq_ignore_ascii_case("chunked") {
+                    chunked += 1;
+                } else {
+                    return Err((
+                        StatusCode::NOT_IMPLEMENTED,
+                        format!("not implemented: transfer coding {coding:?}\n"),
+                    ));
+                }
+            }
+        }
+        if chunked > 1 {
+            return bad("chunked applied more than once");
+        }
+    }
+    if request.method() == Method::CONNECT
+        && !request
+            .uri()
+            .authority()
+            .is_some_and(|authority| is_host_and_port(authority.as_str()))
+    {
+        return bad("CONNECT needs a host:port");
+    }
+    Ok(())
+}
+
+/// `host:port` with a DNS name (letters, digits, `-` and `.`), an IPv4 address or a bracketed
+/// IPv6 address, and a port from 1 to 65535; no user information.
+pub(super) fn is_host_and_port(authority: &str) -> bool {
+    let Some((host, port)) = authority.rsplit_once(':') else {
+        return false;
+    };
+    let port_ok = port.parse::<u16>().is_ok_and(|port| port > 0);
+    let host_ok = match host
+        .strip_prefix('[')
+        .and_then(|rest| rest.strip_suffix(']'))
+    {
+        Some(ipv6) => ipv6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => {
+            !host.is_empty()
+                && host.split('.').all(|label| {
+                    !label.is_empty()
+                        && label
+                            .bytes()
+                            .all(|byte| byte.is_ascii_alphanumeric() || byte == b'-')
+                })
+        }
+    };
+    port_ok && host_ok
+}
+
+pub(super) fn is_connect_success(response: &Response<Incoming>) -> bool {
+    response.status().is_success()
+        && response
+            .extensions()
+            .get::<hyper::upgrade::OnUpgrade>()
+            .is_some()
+}
+
+pub(super) fn tokens(value: &HeaderValue) -> impl Iterator<Item = &str> {
+    value
+        .to_str()
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|token| !token.is_empty())
+}
+
+/// Removes hop-by-hop headers: `Connection` and every header it names, and the fixed list.
+/// When `upgrading`, `Upgrade` and `Connection: upgrade` stay so the target sees the handshake.
+pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
+    // Which of the fixed names are there: one pass over the names, and most messages carry
+    // none. (Headers named by `Connection` matter only when there is a `Connection`.)
+    let mut present = 0u8;
+    for name in headers.keys() {
+        if let Some(index) = HOP_BY_HOP.iter().position(|hop| hop == name) {
+            present |= 1 << index;
+        }
+    }
+    if present == 0 {
+        return;
+    }
+    let has = |name: &HeaderName| {
+        HOP_BY_HOP
+            .iter()
+            .position(|hop| hop == name)
+            .is_some_and(|index| present & (1 << index) != 0)
+    };
+    // The usual tokens (`keep-alive`, `close`, `upgrade`) name no header to remove beyond the
+    // fixed ones: no allocation for them.
+    let named: Vec<HeaderName> = match has(&CONNECTION) {
+        true => headers
+            .get_all(CONNECTION)
+            .iter()
+            .flat_map(tokens)
+            .filter(|token| {
+                !token.eq_ignore_ascii_case("close")
+                    && !HOP_BY_HOP
+                        .iter()
+                        .any(|hop| token.eq_ignore_ascii_case(hop.as_str()))
+            })
+            .filter_map(|token| HeaderName::from_bytes(token.as_bytes()).ok())
+            .collect(),
+        false => Vec::new(),
+    };
+    let upgrade = (upgrading && has(&UPGRADE))
+        .then(|| headers.get(UPGRADE).cloned())
+        .flatten();
+    let trailers = has(&TE)
+        && headers
+            .get_all(TE)
+            .iter()
+            .any(|value| tokens(value).any(|t| t.eq_ignore_ascii_case("trailers")));
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP.iter().filter(|name| has(name)) {
+        headers.remove(name);
+    }
+    if trailers {
+        headers.insert(TE, HeaderValue::from_static("trailers"));
+    }
+    if let Some(upgrade) = upgrade {
+        headers.insert(UPGRADE, upgrade);
+        headers.insert(CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+}
+
+/// Gives an HTTP/1 request the origin-form URI it is sent with (CONNECT keeps its authority
+/// form) and a `Host`: the client's, else the authority of an absolute-form URI, else the
+/// target. A `Host` that is not a valid authority is refused (400).
+pub(super) fn origin_form(request: &mut Request<Incoming>, target: &str) -> Result<(), ()> {
+    if request.method() == Method::CONNECT {
+        return Ok(());
+    }
+    let uri = request.uri();
+    let absolute = uri.scheme().is_some() && uri.authority().is_some();
+    match (
+        uri.authority().filter(|_| absolute),
+        request.headers().get(HOST),
+    ) {
+        // Absolute form: the target's authority is the host, whatever `Host` says (RFC 9112
+        // section 3.2.2), without user information.
+        (Some(authority), _) => {
+            let host = match authority.port() {
+                Some(port) => format!("{}:{port}", authority.host()),
+                None => authority.host().to_string(),
+            };
+            let host = HeaderValue::from_str(&host).map_err(|_| ())?;
+            request.headers_mut().insert(HOST, host);
+        }
+        (None, Some(host)) => {
+            hyper::http::uri::Authority::try_from(host.as_bytes()).map_err(|_| ())?;
+        }
+        (None, None) => {
+            let host = HeaderValue::from_str(target).map_err(|_| ())?;
+            request.headers_mut().insert(HOST, host);
+        }
+    }
+    if absolute {
+        let path = request
+            .uri()
+            .path_and_query()
+            .map_or("/", |path| path.as_str());
+        *request.uri_mut() = Uri::try_from(path).map_err(|_| ())?;
+    }
+    Ok(())
+}
+
+/// Gives an HTTP/2 request the absolute URI hyper-util's pooled client needs: the client's
+/// `:authority` (or `Host`) as authority, falling back to the target. CONNECT keeps its
+/// authority form.
+pub(super) fn absolute_uri(request: &mut Request<Incoming>, target: &str) -> Result<(), ()> {
+    let uri = request.uri();
+    if request.method() == Method::CONNECT || (uri.scheme().is_some() && uri.authority().is_some())
+    {
+        return Ok(());
+    }
+    let authority = match (uri.authority(), request.headers().get(HOST)) {
+        (Some(authority), _) => authority.as_str().to_string(),
+        (None, Some(host)) => host.to_str().map_err(|_| ())?.to_string(),
+        (None, None) => target.to_string(),
+    };
+    let path = uri.path_and_query().map_or("/", |path| path.as_str());
+    *request.uri_mut() = Uri::builder()
+        .scheme("http")
+        .authority(authority)
+        .path_and_query(path)
+        .build()
+        .map_err(|_| ())?;
+    Ok(())
+}

@@ -1,0 +1,470 @@
+//! The HTTP proxy service: one request from a client, forwarded to the route's target.
+//!
+//! It strips hop-by-hop headers both ways, keeps the client's HTTP version towards the target,
+//! streams bodies and trailers without buffering, turns WebSocket upgrades and CONNECT into
+//! tracked tunnels, answers 502/504 when the target cannot be reached in time (short bodies
+//! naming the target), and during a drain asks HTTP/1 clients and targets to close
+//! (`connection: close`). A target that fails mid-response makes the client's response fail
+//! too (hyper aborts the HTTP/1 connection or resets the HTTP/2 stream): never a response that
+//! looks complete.
+
+use std::convert::Infallible;
+use std::io;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use futures_util::future::Either;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::header::{
+    CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue, TRANSFER_ENCODING, UPGRADE,
+};
+use hyper::upgrade::OnUpgrade;
+use hyper::{Method, Request, Response, StatusCode, Version};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tracing::{Instrument, debug};
+
+use super::body::{
+    BodyError, BodyStalled, InFlight, Payload, RequestBodyGuard, Stall, reached_end,
+};
+use super::client::{Lease, SendError, Upstream};
+use super::context::{ConnCtx, HttpVersion};
+use super::headers::{
+    absolute_uri, check_framing, is_connect_success, origin_form, strip_hop_by_hop, wants_upgrade,
+};
+use super::io::ServerIo;
+use crate::conns::ConnProtocol;
+use crate::metrics::Timeout;
+use crate::proxy::tcp;
+
+/// Forwards one request. What the connection must know at once (a request started, its body
+/// is being read, it may upgrade) is recorded when hyper calls the service, before the future
+/// first runs: hyper keeps reading the socket in between, and an HTTP/1 connection that looked
+/// idle then would be parked (see `http::serve_http1`).
+pub fn handle(
+    ctx: Arc<ConnCtx>,
+    request: Request<Incoming>,
+) -> impl Future<Output = Result<Response<ProxyBody>, Infallible>> {
+    ctx.request_started();
+    let in_flight = InFlight::start(&ctx);
+    // Watched from the start: a body dropped unread on any path below is noticed.
+    let body_watch = RequestBodyGuard::watch(&ctx, &request);
+    if ctx.version == HttpVersion::Http1
+        && (request.headers().contains_key(UPGRADE) || request.method() == Method::CONNECT)
+    {
+        // hyper hands the socket over after a 101 (it treats any `Upgrade` header as a
+        // possible upgrade): such a connection is never parked.
+        ctx.never_park();
+    }
+    forward(ctx, request, in_flight, body_watch)
+}
+
+// Not `async fn`s, here and in `send`: their futures would hold each argument twice
+// (rust-lang/rust#62958), and this one is written into hyper's slot for every request.
+#[allow(clippy::manual_async_fn)]
+fn forward(
+    ctx: Arc<ConnCtx>,
+    mut request: Request<Incoming>,
+    in_flight: InFlight,
+    mut body_watch: Option<RequestBodyGuard>,
+) -> impl Future<Output = Result<Response<ProxyBody>, Infallible>> {
+    async move {
+        if let Err((status, why)) = check_framing(&request, ctx.version) {
+            let mut response = error_response(&ctx, status, why, in_flight);
+            if ctx.version == HttpVersion::Http1 {
+                // The rest of what the client sent cannot be trusted to be framed right.
+                response
+                    .headers_mut()
+                    .insert(CONNECTION, HeaderValue::from_static("close"));
+            }
+            return Ok(response);
+        }
+        let version = request.version();
+        let upgrading = ctx.version == HttpVersion::Http1 && wants_upgrade(&request);
+        let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut request));
+        strip_hop_by_hop(request.headers_mut(), upgrading);
+        if ctx.closing() && !upgrading && request.version() != Version::HTTP_2 {
+            // The pooled connection to the target closes once this request is done.
+            request
+                .headers_mut()
+                .insert(CONNECTION, HeaderValue::from_static("close"));
+        }
+        let target = &ctx.route.target_name;
+        let uri = match ctx.version {
+            HttpVersion::Http1 => origin_form(&mut request, target),
+            HttpVersion::Http2 => absolute_uri(&mut request, target),
+        };
+        if let Err(()) = uri {
+            return Ok(error_response(
+                &ctx,
+                StatusCode::BAD_REQUEST,
+                "bad request: invalid Host\n".into(),
+                in_flight,
+            ));
+        }
+
+        let limit = ctx.proxy.http.body_timeout;
+        let timeouts = ctx.proxy.metrics.timeout_counter(Timeout::RequestBody);
+        let payload = |body| match body_watch.take() {
+            Some(watch) => Payload::Request(body, watch, Stall::new(limit, timeouts)),
+            None => Payload::Stream(body, Stall::new(limit, timeouts)),
+        };
+        // One send future, awaited with or without the response timeout: a `Timeout` around it
+        // in one branch and the bare future in the other would hold it twice in this future.
+        // (The request goes into it directly, not through a local that this future would hold.)
+        let upstream = &ctx.route.upstream;
+        let mut sent = pin!(send(upstream, ctx.version, request.map(payload)));
+        let mut limit = pin!(ctx.proxy.http.response_timeout.map(tokio::time::sleep));
+        let responded = std::future::poll_fn(|cx| {
+            if let Poll::Ready(result) = sent.as_mut().poll(cx) {
+                return Poll::Ready(Some(result));
+            }
+            match limit.as_mut().as_pin_mut() {
+                Some(sleep) => sleep.poll(cx).map(|()| None),
+                None => Poll::Pending,
+            }
+        });
+        let Some(result) = responded.await else {
+            let body = format!("gateway timeout: {target} did not respond in time\n");
+            return Ok(error_response(
+                &ctx,
+                StatusCode::GATEWAY_TIMEOUT,
+                body,
+                in_flight,
+            ));
+        };
+        let (mut response, lease) = match result {
+            Ok(sent) => sent,
+            Err(failure) => {
+                let (status, body) = match failure.kind {
+                    FailureKind::ConnectTimeout => (
+                        StatusCode::GATEWAY_TIMEOUT,
+                        format!("gateway timeout: cannot connect to {target}\n"),
+                    ),
+                    FailureKind::Connect => (
+                        StatusCode::BAD_GATEWAY,
+                        format!("bad gateway: cannot connect to {target}\n"),
+                    ),
+                    FailureKind::ClosedBeforeResponse | FailureKind::Respond => (
+                        StatusCode::BAD_GATEWAY,
+                        format!("bad gateway: {target} failed to respond\n"),
+                    ),
+                    FailureKind::RequestBodyStalled => (
+                        StatusCode::REQUEST_TIMEOUT,
+                        "request timeout: the request body stopped arriving\n".to_string(),
+                    ),
+                    FailureKind::RequestBodyBroken => (
+                        StatusCode::BAD_REQUEST,
+                        "bad request: the request body is malformed or incomplete\n".to_string(),
+                    ),
+                };
+                let error = &failure.error;
+                debug!(error = %error, source = ?error.source(), %status, "forwarding failed");
+                let mut response = error_response(&ctx, status, body, in_flight);
+                let body_failed = matches!(
+                    failure.kind,
+                    FailureKind::RequestBodyStalled | FailureKind::RequestBodyBroken
+                );
+                if body_failed && ctx.version == HttpVersion::Http1 {
+                    // The rest of the client's request cannot be read as a next one.
+                    response
+                        .headers_mut()
+                        .insert(CONNECTION, HeaderValue::from_static("close"));
+                }
+                return Ok(response);
+            }
+        };
+
+        let upgraded = match client_upgrade {
+            Some(client_upgrade)
+                if response.status() == StatusCode::SWITCHING_PROTOCOLS
+                    || is_connect_success(&response) =>
+            {
+                // A 2xx to CONNECT has no body, whatever its headers say (RFC 9110 section
+                // 9.3.6): the tunnel starts right after the head.
+                if response.status().is_success() {
+                    response.headers_mut().remove(CONTENT_LENGTH);
+                    response.headers_mut().remove(TRANSFER_ENCODING);
+                }
+                let target_upgrade = hyper::upgrade::on(&mut response);
+                spawn_tunnel(&ctx, client_upgrade, target_upgrade);
+                true
+            }
+            _ => false,
+        };
+        strip_hop_by_hop(response.headers_mut(), upgraded);
+        // The client hears its own HTTP version, whatever the target spoke.
+        *response.version_mut() = version;
+        if ctx.closing() && !upgraded && ctx.version == HttpVersion::Http1 {
+            response
+                .headers_mut()
+                .insert(CONNECTION, HeaderValue::from_static("close"));
+        }
+        in_flight.record_status(&ctx, response.status());
+        // An upgraded connection is the tunnel's now; it never goes back to the pool. A response
+        // without a body is read to its end already (hyper will not poll it).
+        let lease = lease.filter(|_| !upgraded).map(|mut lease| {
+            if response.body().is_end_stream() {
+                lease.done();
+            }
+            lease
+        });
+        Ok(response.map(|body| ProxyBody {
+            payload: Payload::Stream(
+                body,
+                Stall::new(
+                    ctx.proxy.http.body_timeout,
+                    ctx.proxy.metrics.timeout_counter(Timeout::ResponseBody),
+                ),
+            ),
+            _in_flight: Some(in_flight),
+            lease,
+        }))
+    }
+}
+
+/// Sends a request; a bodiless idempotent request whose pooled connection the target closed
+/// before answering (the keep-alive race) is sent once more, on another connection, as RFC 9110
+/// section 9.2.2 allows. Anything else is never replayed.
+#[allow(clippy::manual_async_fn)]
+fn send(
+    upstream: &Upstream,
+    version: HttpVersion,
+    request: Request<Payload>,
+) -> impl Future<Output = Result<(Response<Incoming>, Option<Lease>), Failure>> + '_ {
+    async move {
+        let replay = replayable(&request).then(|| {
+            let mut copy = Request::new(Payload::Bytes(None));
+            *copy.method_mut() = request.method().clone();
+            *copy.uri_mut() = request.uri().clone();
+            *copy.version_mut() = request.version();
+            *copy.headers_mut() = request.headers().clone();
+            copy
+        });
+        let failure = match send_once(upstream, version, request).await {
+            Err(failure) if failure.kind == FailureKind::ClosedBeforeResponse => failure,
+            first => return first,
+        };
+        match replay {
+            Some(again) => {
+                debug!(error = %failure.error, "the target closed a pooled connection before answering; retrying once");
+                send_once(upstream, version, again).await
+            }
+            None => Err(failure),
+        }
+    }
+}
+
+/// Not an `async fn`: the request goes straight into the pool's future instead of being held
+/// once more by this one.
+fn send_once<'a>(
+    upstream: &'a Upstream,
+    version: HttpVersion,
+    request: Request<Payload>,
+) -> impl Future<Output = Result<(Response<Incoming>, Option<Lease>), Failure>> + 'a {
+    match version {
+        HttpVersion::Http1 => Either::Left(upstream.http1.send(request).map(|sent| {
+            sent.map(|(response, lease)| (response, Some(lease)))
+                .map_err(Failure::from)
+        })),
+        HttpVersion::Http2 => Either::Right(
+            upstream
+                .http2
+                .send(request)
+                .map(|sent| sent.map(|response| (response, None)).map_err(Failure::from)),
+        ),
+    }
+}
+
+impl From<SendError> for Failure {
+    fn from(error: SendError) -> Failure {
+        match error {
+            SendError::Connect(error) => Failure {
+                kind: match error.kind() {
+                    io::ErrorKind::TimedOut => FailureKind::ConnectTimeout,
+                    _ => FailureKind::Connect,
+                },
+                error: error.into(),
+            },
+            SendError::Http(error) => Failure {
+                kind: if stalled(&error) {
+                    FailureKind::RequestBodyStalled
+                } else if error.is_user() {
+                    // The request body failed on the client's side: a malformed chunk, a
+                    // client gone mid-body.
+                    FailureKind::RequestBodyBroken
+                } else if error.is_incomplete_message() || error.is_canceled() {
+                    FailureKind::ClosedBeforeResponse
+                } else {
+                    FailureKind::Respond
+                },
+                error: error.into(),
+            },
+        }
+    }
+}
+
+/// Why a request got no response from the target.
+struct Failure {
+    kind: FailureKind,
+    error: Box<dyn std::error::Error + Send + Sync>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FailureKind {
+    /// No connection within the connect timeout (504).
+    ConnectTimeout,
+    /// The target refused the connection or could not be resolved (502).
+    Connect,
+    /// A reused connection that the target had closed (502, unless the request is replayed).
+    ClosedBeforeResponse,
+    /// The connection failed before the response's head arrived (502).
+    Respond,
+    /// The client's request body stopped arriving before the response's head (408).
+    RequestBodyStalled,
+    /// The client's request body was malformed (a bad chunk) or cut short (400).
+    RequestBodyBroken,
+}
+
+/// Whether `error` comes from a request body that stalled.
+fn stalled(error: &hyper::Error) -> bool {
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        if cause.is::<BodyStalled>() {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
+}
+
+fn replayable(request: &Request<Payload>) -> bool {
+    let idempotent = matches!(
+        *request.method(),
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    );
+    idempotent && request.body().is_end_stream()
+}
+
+fn error_response(
+    ctx: &ConnCtx,
+    status: StatusCode,
+    body: String,
+    in_flight: InFlight,
+) -> Response<ProxyBody> {
+    let mut response = Response::new(ProxyBody {
+        payload: Payload::Bytes(Some(Bytes::from(body))),
+        _in_flight: None,
+        lease: None,
+    });
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    if ctx.closing() && ctx.version == HttpVersion::Http1 {
+        response
+            .headers_mut()
+            .insert(CONNECTION, HeaderValue::from_static("close"));
+    }
+    in_flight.record_status(ctx, status);
+    response.body_mut()._in_flight = Some(in_flight);
+    response
+}
+
+/// Joins the client's and the target's upgraded connections as a tunnel, tracked by the
+/// drain like a TCP connection: untouched by `go_away`, reset by `terminate`.
+fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade) {
+    let registration = ctx.registration.clone();
+    let terminate = ctx.terminate.clone();
+    let tracker = ctx.proxy.drain.side(ctx.conn().direction()).tracker.clone();
+    let shared = ctx.proxy.clone();
+    let tunnel = async move {
+        let (client, target) = match tokio::try_join!(client, target) {
+            Ok(pair) => pair,
+            Err(error) => {
+                debug!(%error, "upgrade failed");
+                return;
+            }
+        };
+        let conn = registration.conn();
+        conn.set_protocol(ConnProtocol::Tunnel);
+        match (
+            client.downcast::<TokioIo<ServerIo>>(),
+            target.downcast::<TokioIo<TcpStream>>(),
+        ) {
+            (Ok(client), Ok(target)) => {
+                let Some(client_stream) = client.io.into_inner().into_stream() else {
+                    return;
+                };
+                let target_stream = target.io.into_inner();
+                // Bytes read past the handshake on either side go first.
+                if write_all(&target_stream, &client.read_buf).await.is_err()
+                    || write_all(&client_stream, &target.read_buf).await.is_err()
+                {
+                    return;
+                }
+                conn.bytes_from_peer
+                    .fetch_add(client.read_buf.len() as u64, Ordering::Relaxed);
+                conn.bytes_to_peer
+                    .fetch_add(target.read_buf.len() as u64, Ordering::Relaxed);
+                tcp::pipe(client_stream, target_stream, conn, &terminate, &shared).await;
+            }
+            _ => debug!("upgraded connections of unexpected types; closing the tunnel"),
+        }
+        drop(registration);
+    };
+    tracker.spawn(tunnel.in_current_span());
+}
+
+async fn write_all(stream: &TcpStream, bytes: &[u8]) -> io::Result<()> {
+    let mut written = 0;
+    while written < bytes.len() {
+        stream.writable().await?;
+        match stream.try_write(&bytes[written..]) {
+            Ok(n) => written += n,
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(())
+}
+
+/// A response body, holding its request's [`InFlight`] until the body ends, and for HTTP/1 the
+/// pooled connection it comes from, which goes back to the pool once the body has ended.
+pub struct ProxyBody {
+    payload: Payload,
+    _in_flight: Option<InFlight>,
+    lease: Option<Lease>,
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.payload).poll_frame(cx);
+        if let Some(lease) = &mut this.lease
+            && reached_end(&poll, &this.payload)
+        {
+            lease.done();
+        }
+        poll
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.payload.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.payload.size_hint()
+    }
+}
