@@ -2,7 +2,7 @@
 //!
 //! [`build`] binds the admin socket and every route's listener and returns a [`Bound`] holding
 //! the real addresses (port 0 in tests becomes a real port). [`Bound::run`] is the lifecycle of
-//! CONTRACT section 3, top to bottom: serve until a trigger, then lame duck, close listeners,
+//! docs/lifecycle.md, top to bottom: serve until a trigger, then lame duck, close listeners,
 //! drain, and exit as soon as the last connection closes or reset the rest when the grace
 //! period runs out. It returns the [`Exit`] that `main` turns into the process status.
 
@@ -142,8 +142,25 @@ impl Bound {
             .collect()
     }
 
-    /// Serves, then shuts down as CONTRACT section 3 says.
+    /// Serves, then shuts down, step by step as docs/lifecycle.md describes them.
     pub async fn run(self, mut signals: ShutdownSignals) -> Exit {
+        // Start: the admin server, every route's accept loop, the drain socket.
+        let running = self.start();
+        if signals.arrived() {
+            info!("a shutdown signal arrived during start-up");
+        } else {
+            running.drain.start_serving();
+            info!("serving");
+        }
+        // Serve until SIGTERM, SIGINT or POST /shutdown.
+        let reason = running.until_triggered(&mut signals).await;
+        // Lame duck, close the listeners, drain; at the deadline or a second signal, reset
+        // whatever is left.
+        running.shut_down(reason, &mut signals).await
+    }
+
+    /// Spawns the admin server, every route's accept loop and the drain socket's server.
+    fn start(self) -> Running {
         let Bound {
             config,
             admin,
@@ -171,7 +188,7 @@ impl Bound {
             max_connections,
             "connection limit from the file-descriptor limit"
         );
-        let shared = Arc::new(ProxyContext {
+        let proxy = Arc::new(ProxyContext {
             drain: drain.clone(),
             conns: conns.clone(),
             metrics: metrics.clone(),
@@ -189,19 +206,19 @@ impl Bound {
                 config.connect_timeout,
                 metrics.clone(),
             );
-            let handle = Arc::new(ProxyRoute {
+            let served = Arc::new(ProxyRoute {
                 route: route.clone(),
                 upstream,
                 target_name: route.target.to_string(),
             });
             if route.direction == Direction::Inbound {
-                inbound_routes.push(handle.clone());
+                inbound_routes.push(served.clone());
             }
             let side = drain.side(route.direction);
-            side.accepting.spawn(proxy::accept::accept_loop(
+            side.spawn_accept_loop(proxy::accept::accept_loop(
                 bound,
-                handle,
-                shared.clone(),
+                served,
+                proxy.clone(),
                 side.clone(),
             ));
         }
@@ -209,7 +226,7 @@ impl Bound {
             let inbound = Arc::new(InboundControl::new(
                 drain.clone(),
                 conns.clone(),
-                shared.clone(),
+                proxy.clone(),
                 inbound_routes,
                 config.lame_duck_period,
                 config.shutdown_grace_period,
@@ -217,23 +234,42 @@ impl Bound {
             info!(path = %path.display(), "control socket listening (inbound quiesce for preStop hooks)");
             tokio::spawn(quiesce::serve(socket, path, inbound));
         }
-        if signals.arrived() {
-            info!("a shutdown signal arrived during start-up");
-        } else {
-            drain.start_serving();
-            info!("serving");
+        Running {
+            config,
+            drain,
+            conns,
+            metrics,
         }
+    }
+}
 
-        // Serving, until the first trigger.
-        let reason = tokio::select! {
+/// The proxy once started: what the shutdown needs.
+struct Running {
+    config: Config,
+    drain: Arc<Drain>,
+    conns: Arc<Connections>,
+    metrics: Arc<Metrics>,
+}
+
+impl Running {
+    /// Serves until the first trigger: a signal, or `POST /shutdown` (which triggers the drain
+    /// itself).
+    async fn until_triggered(&self, signals: &mut ShutdownSignals) -> ShutdownReason {
+        tokio::select! {
             // The kubelet, a supervisor or an operator sent SIGTERM or SIGINT.
             signal = signals.next() => {
-                drain.trigger(ShutdownReason::Signal(signal));
-                drain.reason().unwrap_or(ShutdownReason::Signal(signal))
+                self.drain.trigger(ShutdownReason::Signal(signal));
+                self.drain.reason().unwrap_or(ShutdownReason::Signal(signal))
             }
             // A loopback client posted /shutdown.
-            reason = drain.triggered() => reason,
-        };
+            reason = self.drain.triggered() => reason,
+        }
+    }
+
+    /// Runs the drain sequence until every connection has closed, the grace period runs out,
+    /// or a second signal asks to stop now.
+    async fn shut_down(&self, reason: ShutdownReason, signals: &mut ShutdownSignals) -> Exit {
+        let (drain, config) = (&self.drain, &self.config);
         let (started, _) = drain
             .started_at()
             .expect("the drain records when it was triggered");
@@ -242,13 +278,10 @@ impl Bound {
             trigger = %reason,
             grace_period = %humantime::format_duration(config.shutdown_grace_period),
             lame_duck_period = %humantime::format_duration(config.lame_duck_period),
-            open_connections = conns.len(),
+            open_connections = self.conns.len(),
             "shutdown started"
         );
-        drain.side(Direction::Inbound).tracker.close();
-        drain.side(Direction::Outbound).tracker.close();
-
-        let sequence = drain_sequence(&drain, &config);
+        let sequence = drain_sequence(drain, config);
         tokio::pin!(sequence);
         let mut progress =
             tokio::time::interval_at((started + PROGRESS_INTERVAL).into(), PROGRESS_INTERVAL);
@@ -261,13 +294,13 @@ impl Bound {
                 }
                 // The grace period ran out.
                 () = tokio::time::sleep_until(deadline.into()) => {
-                    force_close(&drain, &conns, &metrics, "the grace period ran out").await;
+                    self.force_close("the grace period ran out").await;
                     return Exit::Graceful;
                 }
                 // A second SIGTERM or SIGINT: stop now.
                 signal = signals.next() => {
                     warn!(signal = signal_name(signal), "second shutdown signal: stopping now");
-                    force_close(&drain, &conns, &metrics, "a second signal asked to stop now").await;
+                    self.force_close("a second signal asked to stop now").await;
                     return Exit::Forced(signal);
                 }
                 // Time to tell the operator how the drain is going.
@@ -275,12 +308,32 @@ impl Bound {
                     let left = deadline.saturating_duration_since(std::time::Instant::now());
                     info!(
                         phase = drain.phase().as_str(),
-                        open_connections = conns.len(),
+                        open_connections = self.conns.len(),
                         grace_left_ms = left.as_millis() as u64,
                         "draining"
                     );
                 }
             }
+        }
+    }
+
+    /// Resets every connection still open, then names each in the log (reset first: the lines
+    /// of thousands of survivors must not delay their resets).
+    async fn force_close(&self, why: &str) {
+        self.drain.set_phase(Phase::Terminating);
+        let survivors = self.conns.snapshot();
+        warn!(
+            connections = survivors.len(),
+            "{why}: resetting the remaining connections"
+        );
+        self.metrics.force_closed(survivors.len() as u64);
+        self.drain.force_close();
+        let closed = tokio::time::timeout(FORCE_CLOSE_WAIT, self.drain.drained()).await;
+        for conn in &survivors {
+            warn!("force-closing {}", conn.describe());
+        }
+        if closed.is_err() {
+            warn!("some connection tasks did not finish in time; exiting anyway");
         }
     }
 }
@@ -294,12 +347,9 @@ async fn drain_sequence(drain: &Drain, config: &Config) {
         drain.side(Direction::Inbound),
         drain.side(Direction::Outbound),
     );
-    // Closed at the trigger already; again here in case a resume (an app container's
-    // postStart) put a fresh inbound side in place in between.
-    inbound.tracker.close();
-    inbound.go_away.cancel();
+    inbound.go_away();
     if !after_inbound {
-        outbound.go_away.cancel();
+        outbound.go_away();
     }
     if drain.is_inbound_quiesced() {
         info!("the inbound side was quiesced already: no lame duck");
@@ -310,47 +360,13 @@ async fn drain_sequence(drain: &Drain, config: &Config) {
     drain.set_phase(Phase::Draining);
     if after_inbound {
         inbound.close().await;
-        inbound.tracker.wait().await;
+        inbound.drained().await;
         info!("inbound side drained; closing the outbound listeners");
-        outbound.go_away.cancel();
+        outbound.go_away();
         outbound.close().await;
-        outbound.tracker.wait().await;
+        outbound.drained().await;
     } else {
         tokio::join!(inbound.close(), outbound.close());
-        tokio::join!(inbound.tracker.wait(), outbound.tracker.wait());
-    }
-}
-
-/// Resets every connection still open, then names each in the log (reset first: the lines
-/// of thousands of survivors must not delay their resets).
-async fn force_close(drain: &Drain, conns: &Connections, metrics: &Metrics, why: &str) {
-    drain.set_phase(Phase::Terminating);
-    let survivors = conns.snapshot();
-    warn!(
-        connections = survivors.len(),
-        "{why}: resetting the remaining connections"
-    );
-    metrics.force_closed(survivors.len() as u64);
-    let sides = [
-        drain.side(Direction::Inbound),
-        drain.side(Direction::Outbound),
-    ];
-    // Reset first: a connection task on another worker thread that saw `draining` before
-    // `terminate` would close its idle connection with a FIN instead of the reset promised.
-    drain.terminate.cancel();
-    for side in &sides {
-        side.go_away.cancel();
-        side.close_listeners.cancel();
-        side.draining.cancel();
-    }
-    let closed = tokio::time::timeout(FORCE_CLOSE_WAIT, async {
-        tokio::join!(sides[0].tracker.wait(), sides[1].tracker.wait());
-    })
-    .await;
-    for conn in &survivors {
-        warn!("force-closing {}", conn.describe());
-    }
-    if closed.is_err() {
-        warn!("some connection tasks did not finish in time; exiting anyway");
+        tokio::join!(inbound.drained(), outbound.drained());
     }
 }

@@ -3,8 +3,11 @@
 //! [`Drain`] holds every signal of the shutdown sequence: whether it has been triggered (and
 //! why), the current [`Phase`], one [`Side`] per direction with its listeners' close signal and
 //! the tracker of its connections, and the `terminate` token that resets whatever is still open.
-//! Nothing else in the crate keeps a flag of its own. `app::run` is the only code that advances
-//! the phases; listeners and connections only listen.
+//! Nothing else in the crate keeps a flag of its own. Its fields are private: the lifecycle
+//! (`app`, and `quiesce` for the inbound side) calls its verbs (go away, close, force close,
+//! wait until drained); listeners and connections get [`Watch`]es they can only listen to, and
+//! spawn their tasks through their [`Side`]. The sequence itself is described in
+//! docs/lifecycle.md.
 
 use std::fmt;
 use std::future::Future;
@@ -49,7 +52,7 @@ pub fn signal_name(signal: i32) -> &'static str {
     }
 }
 
-/// The phases of CONTRACT section 3.
+/// The phases of the lifecycle (docs/lifecycle.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Phase {
@@ -80,6 +83,21 @@ impl Phase {
     }
 }
 
+/// A token that the code which listens to it cannot cancel: only [`Drain`] and [`Side`] do.
+#[derive(Clone, Debug)]
+pub struct Watch(CancellationToken);
+
+impl Watch {
+    /// Resolves once the token is cancelled.
+    pub fn cancelled(&self) -> WaitForCancellationFuture<'_> {
+        self.0.cancelled()
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.is_cancelled()
+    }
+}
+
 /// The shutdown state of one direction's listeners and connections.
 ///
 /// The outbound side has one for the life of the process. The inbound side has a new one each
@@ -87,60 +105,115 @@ impl Phase {
 /// connections and listeners of the old one drain on as they were.
 #[derive(Debug)]
 pub struct Side {
-    /// Cancelled by `app::run` when this side's connections must ask their peers to go away
-    /// (HTTP `connection: close`, GOAWAY); opaque TCP ignores it.
-    pub go_away: CancellationToken,
+    /// Cancelled by [`Side::go_away`] when this side's connections must ask their peers to go
+    /// away (HTTP `connection: close`, GOAWAY); opaque TCP ignores it.
+    go_away: CancellationToken,
     /// Cancelled by [`Side::close`] when this side's listeners must stop accepting; each
     /// accept loop then accepts what is already queued and closes its socket.
-    pub close_listeners: CancellationToken,
+    stop_accepting: CancellationToken,
     /// Tracks this side's accept loops, so that [`Side::close`] knows when every listener is
     /// closed and every queued connection spawned.
-    pub accepting: TaskTracker,
+    accept_loops: TaskTracker,
     /// Cancelled by [`Side::close`] once the listeners are closed: idle HTTP/1 connections and
     /// clients that have not sent a byte are closed then. Not earlier, so that a client whose
     /// idle connection is closed reconnects to a closed port (refused, never sent) instead of
     /// racing the listener's close.
-    pub draining: CancellationToken,
-    /// Tracks this side's connection tasks; closed by `app::run` once the shutdown starts, so
-    /// that `wait()` ends when the side has drained.
-    pub tracker: TaskTracker,
-    /// Cancelled when this side's connections must be reset now: by the inbound quiesce when
-    /// its grace period runs out, and (as a child of [`Drain::terminate`]) with everything else.
-    pub terminate: CancellationToken,
+    listeners_closed: CancellationToken,
+    /// Tracks this side's connection tasks: [`Side::drained`] waits for them.
+    connections: TaskTracker,
+    /// Cancelled by [`Side::force_close`] (the inbound quiesce, when its grace period runs
+    /// out), and as a child of the drain's own with everything else ([`Drain::force_close`]):
+    /// this side's connections are reset now.
+    terminate: CancellationToken,
 }
 
 impl Side {
     fn new(terminate: &CancellationToken) -> Side {
         Side {
             go_away: CancellationToken::new(),
-            close_listeners: CancellationToken::new(),
-            accepting: TaskTracker::new(),
-            draining: CancellationToken::new(),
-            tracker: TaskTracker::new(),
+            stop_accepting: CancellationToken::new(),
+            accept_loops: TaskTracker::new(),
+            listeners_closed: CancellationToken::new(),
+            connections: TaskTracker::new(),
             terminate: terminate.child_token(),
         }
     }
 
+    /// Runs an accept loop of this side; it must end soon after [`Side::stop_accepting`]
+    /// resolves.
+    pub fn spawn_accept_loop(&self, accept_loop: impl Future<Output = ()> + Send + 'static) {
+        self.accept_loops.spawn(accept_loop);
+    }
+
+    /// Resolves when this side's listeners must stop accepting.
+    pub fn stop_accepting(&self) -> WaitForCancellationFuture<'_> {
+        self.stop_accepting.cancelled()
+    }
+
+    /// Runs a task that serves a connection of this side (or part of one: a tunnel, a parked
+    /// keep-alive connection): the side is drained when every such task has ended.
+    pub fn spawn(&self, connection: impl Future<Output = ()> + Send + 'static) {
+        self.connections.spawn(connection);
+    }
+
+    /// Asks this side's connections to ask their peers to go away.
+    pub fn go_away(&self) {
+        self.go_away.cancel();
+    }
+
     /// Closes the listeners, waits until each has accepted its queue and closed, then tells
-    /// the connections that the side is draining.
+    /// the connections that the listeners are closed.
     pub async fn close(&self) {
-        self.close_listeners.cancel();
-        self.accepting.close();
-        self.accepting.wait().await;
-        self.draining.cancel();
+        self.stop_accepting.cancel();
+        self.accept_loops.close();
+        self.accept_loops.wait().await;
+        self.listeners_closed.cancel();
+    }
+
+    /// Resolves once [`Side::close`] has closed every listener.
+    pub fn listeners_closed(&self) -> WaitForCancellationFuture<'_> {
+        self.listeners_closed.cancelled()
+    }
+
+    /// Resolves once every connection task of this side has ended.
+    pub async fn drained(&self) {
+        self.connections.close();
+        self.connections.wait().await;
+    }
+
+    /// Resets this side's connections now and closes its listeners without waiting.
+    pub fn force_close(&self) {
+        // Reset first: a connection task on another worker thread that saw `listeners_closed`
+        // before `terminate` would close its idle connection with a FIN instead of the reset.
+        self.terminate.cancel();
+        self.go_away.cancel();
+        self.stop_accepting.cancel();
+        self.listeners_closed.cancel();
+    }
+
+    /// What a new connection of this side listens to.
+    pub fn conn_tokens(&self) -> ConnTokens {
+        // The side's own tokens, shared: nothing cancels one connection alone, so a child
+        // token each would only cost an allocation and the parent's lock on every open and
+        // close.
+        ConnTokens {
+            go_away: Watch(self.go_away.clone()),
+            listeners_closed: Watch(self.listeners_closed.clone()),
+            terminate: Watch(self.terminate.clone()),
+        }
     }
 }
 
-/// Tokens one connection task watches: clones of its side's and the drain-wide ones.
+/// What one connection task listens to: its side's tokens.
 #[derive(Debug)]
 pub struct ConnTokens {
     /// Cancelled when the connection should ask its peer to go away.
-    pub go_away: CancellationToken,
-    /// Cancelled when the side's listeners close: idle HTTP/1 connections and clients that
-    /// have not sent a byte are closed then.
-    pub draining: CancellationToken,
+    pub go_away: Watch,
+    /// Cancelled when the side's listeners have closed: idle HTTP/1 connections and clients
+    /// that have not sent a byte are closed then.
+    pub listeners_closed: Watch,
     /// Cancelled when the connection must be reset now (grace period over, or "stop now").
-    pub terminate: CancellationToken,
+    pub terminate: Watch,
 }
 
 #[derive(Debug)]
@@ -156,9 +229,10 @@ pub struct Drain {
     /// When the inbound side was quiesced (docs/pod-lifecycle.md), while it is: `/ready` answers
     /// 503.
     inbound_quiesced: Mutex<Option<Instant>>,
-    /// Cancelled by `app::run` when the grace period runs out or a second signal arrives:
-    /// every connection task resets its sockets and ends.
-    pub terminate: CancellationToken,
+    /// Cancelled by [`Drain::force_close`] when the grace period runs out or a second signal
+    /// arrives: every side's `terminate` with it, so every connection task resets its sockets
+    /// and ends.
+    terminate: CancellationToken,
 }
 
 impl Default for Drain {
@@ -251,24 +325,29 @@ impl Drain {
         }
     }
 
+    /// Resets every connection now, on every side (those of inbound sides replaced after a
+    /// quiesce too), and closes the listeners without waiting.
+    pub fn force_close(&self) {
+        self.terminate.cancel();
+        for direction in [Direction::Inbound, Direction::Outbound] {
+            self.side(direction).force_close();
+        }
+    }
+
+    /// Resolves once every connection task of the current sides has ended.
+    pub async fn drained(&self) {
+        let (inbound, outbound) = (
+            self.side(Direction::Inbound),
+            self.side(Direction::Outbound),
+        );
+        tokio::join!(inbound.drained(), outbound.drained());
+    }
+
     /// Puts a fresh inbound side in place of the current one and returns both (new, old).
     pub fn renew_inbound(&self) -> (Arc<Side>, Arc<Side>) {
         let fresh = Arc::new(Side::new(&self.terminate));
         let old = std::mem::replace(&mut *lock(&self.inbound), fresh.clone());
         (fresh, old)
-    }
-}
-
-impl Side {
-    /// Tokens for a new connection of this side: the side's own tokens, shared (nothing
-    /// cancels one connection alone, so a child token each would only cost an allocation and
-    /// the parent's lock on every connection's open and close).
-    pub fn conn_tokens(&self) -> ConnTokens {
-        ConnTokens {
-            go_away: self.go_away.clone(),
-            draining: self.draining.clone(),
-            terminate: self.terminate.clone(),
-        }
     }
 }
 
@@ -286,7 +365,8 @@ pin_project_lite::pin_project! {
 }
 
 impl<'a> Cancelled<'a> {
-    pub fn new(token: &'a CancellationToken) -> Cancelled<'a> {
+    pub fn new(watch: &'a Watch) -> Cancelled<'a> {
+        let token = &watch.0;
         Cancelled {
             token,
             wait: token.cancelled(),
@@ -324,9 +404,9 @@ mod tests {
     async fn cancelled_wakes_the_task_that_polled_it_when_the_token_is_cancelled() {
         let token = CancellationToken::new();
         let waiter = {
-            let token = token.clone();
+            let watch = Watch(token.clone());
             tokio::spawn(async move {
-                let mut cancelled = std::pin::pin!(Cancelled::new(&token));
+                let mut cancelled = std::pin::pin!(Cancelled::new(&watch));
                 // Pending twice with the same waker: the second poll is the cheap one.
                 for _ in 0..2 {
                     let pending = std::future::poll_fn(|cx| {

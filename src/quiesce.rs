@@ -173,29 +173,24 @@ impl InboundControl {
             inbound_connections = self.inbound_open(),
             "inbound quiesce: /ready 503, asking inbound connections to go away"
         );
-        side.go_away.cancel();
+        side.go_away();
         let drained = tokio::time::timeout_at(deadline.into(), async {
             if shutting_down {
                 // The shutdown's own sequence runs the lame duck and closes the listeners.
-                side.draining.cancelled().await;
+                side.listeners_closed().await;
             } else {
                 tokio::time::sleep(self.lame_duck).await;
                 side.close().await;
                 info!("inbound quiesce: inbound listeners closed, draining");
             }
-            side.tracker.close();
-            side.tracker.wait().await;
+            side.drained().await;
         })
         .await;
         let mut reset = 0;
         if drained.is_err() {
             reset = self.inbound_open();
-            // Reset first (see app::force_close), then whatever still waits.
-            side.terminate.cancel();
-            side.go_away.cancel();
-            side.close_listeners.cancel();
-            side.draining.cancel();
-            let _ = tokio::time::timeout(RESET_WAIT, side.tracker.wait()).await;
+            side.force_close();
+            let _ = tokio::time::timeout(RESET_WAIT, side.drained()).await;
         }
         Outcome {
             elapsed: started.elapsed(),
@@ -234,7 +229,7 @@ impl InboundControl {
         }
         let (side, _) = self.drain.renew_inbound();
         for (handle, listener) in bound {
-            side.accepting.spawn(proxy::accept::accept_loop(
+            side.spawn_accept_loop(proxy::accept::accept_loop(
                 listener,
                 handle,
                 self.shared.clone(),

@@ -51,7 +51,7 @@ pub async fn accept_loop(
             // the refusal promised after the shutdown.
             biased;
             // The shutdown sequence closed this side's listeners.
-            _ = side.close_listeners.cancelled() => break,
+            _ = side.stop_accepting() => break,
             // A client connected, or accept failed.
             accepted = listener.accept() => accepted,
         };
@@ -64,7 +64,7 @@ pub async fn accept_loop(
                 shared.metrics.accept_failed(route.direction);
                 tokio::select! {
                     // The shutdown sequence closed this side's listeners while backing off.
-                    _ = side.close_listeners.cancelled() => break,
+                    _ = side.stop_accepting() => break,
                     // The pause after the error (none for an error of one connection) is over.
                     _ = errors.failed(&error, route.listen) => {}
                 }
@@ -98,7 +98,7 @@ async fn room_for_one_more(
     }
     tokio::select! {
         // The shutdown sequence closed this side's listeners.
-        _ = side.close_listeners.cancelled() => None,
+        _ = side.stop_accepting() => None,
         // A connection closed and gave its permit back.
         permit = shared.limit.clone().acquire_owned() => permit.ok(),
     }
@@ -175,8 +175,7 @@ fn spawn_connection(
     let span = tracing::debug_span!("conn", id = registration.conn().id, direction = %route.direction, %peer, target = %route.target);
     let handle = handle.clone();
     let shared = shared.clone();
-    side.tracker
-        .spawn(serve(stream, registration, tokens, handle, shared).instrument(span));
+    side.spawn(serve(stream, registration, tokens, handle, shared).instrument(span));
 }
 
 /// Serves one connection by its route's protocol, detecting it on `auto` and `http` routes.
@@ -203,7 +202,7 @@ async fn serve(
         // The grace period ran out while the client was silent.
         _ = tokens.terminate.cancelled() => Detected::Closed,
         // Boxed, so that the connection's task is not sized for the detection's state.
-        detected = Box::pin(detect::detect(&stream, http_only, wait, &tokens.draining)) => detected,
+        detected = Box::pin(detect::detect(&stream, http_only, wait, &tokens.listeners_closed)) => detected,
     };
     let version = match detected {
         Detected::Http1 => HttpVersion::Http1,

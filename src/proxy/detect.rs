@@ -10,8 +10,8 @@
 
 use std::time::Duration;
 
+use crate::drain::Watch;
 use tokio::net::TcpStream;
-use tokio_util::sync::CancellationToken;
 
 /// The HTTP/2 connection preface (RFC 9113 section 3.4).
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -82,13 +82,13 @@ pub fn classify_http(bytes: &[u8]) -> Option<Detected> {
 /// Waits for enough bytes to classify the connection, with [`classify`] (`auto` routes) or
 /// [`classify_http`] (`http` routes).
 ///
-/// `timeout` is when to give up waiting: `Detected::Silent` then. `draining` is cancelled when
-/// the side's listeners close: a client that has sent nothing by then is closed.
+/// `timeout` is when to give up waiting: `Detected::Silent` then. `listeners_closed` is
+/// cancelled when the side's listeners close: a client that has sent nothing by then is closed.
 pub async fn detect(
     stream: &TcpStream,
     http_only: bool,
     timeout: Duration,
-    draining: &CancellationToken,
+    listeners_closed: &Watch,
 ) -> Detected {
     let classify = if http_only { classify_http } else { classify };
     let accepted = tokio::time::Instant::now();
@@ -104,7 +104,7 @@ pub async fn detect(
         tokio::select! {
             // The listeners closed while this client had not said a word yet: closed now if it
             // has been silent a while, else once it is SILENT_GRACE old (it is about to write).
-            _ = draining.cancelled(), if seen == 0 && !closing => {
+            _ = listeners_closed.cancelled(), if seen == 0 && !closing => {
                 closing = true;
                 let now = tokio::time::Instant::now();
                 last_call.as_mut().reset((accepted + SILENT_GRACE).max(now));

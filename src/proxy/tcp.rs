@@ -11,13 +11,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio::net::TcpStream;
-use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::ProxyContext;
 use super::quiet::Quiet;
 use crate::conns::{ConnProtocol, ConnState, Connection, Registration};
-use crate::drain::ConnTokens;
+use crate::drain::{ConnTokens, Watch};
 use crate::metrics::Timeout;
 use crate::net::{connect, reset};
 
@@ -69,7 +68,7 @@ pub async fn pipe(
     client: TcpStream,
     target: TcpStream,
     conn: &Arc<Connection>,
-    terminate: &CancellationToken,
+    terminate: &Watch,
     shared: &ProxyContext,
 ) {
     let upstream = copy_one_way(&client, &target, &conn.bytes_from_peer, || {

@@ -6,10 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
 
 use crate::conns::{Connection, Registration};
-use crate::drain::ConnTokens;
+use crate::drain::{ConnTokens, Watch};
 use crate::proxy::{ProxyContext, ProxyRoute};
 
 /// Which HTTP a connection speaks.
@@ -26,9 +25,9 @@ pub struct ConnCtx {
     pub proxy: Arc<ProxyContext>,
     pub version: HttpVersion,
     /// Cancelled when this connection must ask its client to go away.
-    pub go_away: CancellationToken,
+    pub go_away: Watch,
     /// Cancelled when the connection must be reset now; tunnels watch it too.
-    pub terminate: CancellationToken,
+    pub terminate: Watch,
     /// Set at the first request; HTTP/2 connections opened during the lame-duck period wait
     /// for it before sending GOAWAY.
     pub(super) requests_seen: AtomicBool,

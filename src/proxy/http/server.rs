@@ -4,7 +4,7 @@
 //! - lame duck (`go_away`): HTTP/1 responses carry `connection: close` (added by the proxy
 //!   service); HTTP/2 connections get GOAWAY (for a connection opened during the lame-duck
 //!   period, after its first request, so that it is served once);
-//! - listeners closed (`draining`): an idle HTTP/1 keep-alive connection is closed at once; one
+//! - listeners closed (`listeners_closed`): an idle HTTP/1 keep-alive connection is closed at once; one
 //!   with a request in flight, or with a request's bytes already waiting in the socket, is left
 //!   to finish it, and its response carries `connection: close`;
 //! - `terminate`: the socket is reset.
@@ -26,14 +26,13 @@ use bytes::Bytes;
 use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
-use tokio_util::sync::CancellationToken;
 use tracing::{Instrument as _, debug};
 
 use super::context::{ConnCtx, HttpVersion};
 use super::io::ServerIo;
 use super::service;
 use crate::conns::{ConnProtocol, ConnState, Registration};
-use crate::drain::{Cancelled, ConnTokens};
+use crate::drain::{Cancelled, ConnTokens, Watch};
 use crate::metrics::Timeout;
 use crate::net;
 use crate::proxy::quiet::Quiet;
@@ -66,12 +65,19 @@ pub async fn serve(
 
     let ctx = Arc::new(ConnCtx::new(registration, route, proxy, version, &tokens));
     match version {
-        HttpVersion::Http1 => serve_http1(stream, ctx, &tokens.draining).await,
+        HttpVersion::Http1 => serve_http1(stream, ctx, &tokens.listeners_closed).await,
         HttpVersion::Http2 => {
             let fd = stream.as_raw_fd();
             let (io, came_home) = ServerIo::for_http2(stream, ctx.clone());
             // Boxed: an HTTP/1 connection's future is not sized for HTTP/2's state.
-            if Box::pin(serve_http2(TokioIo::new(io), fd, ctx, &tokens.draining)).await {
+            if Box::pin(serve_http2(
+                TokioIo::new(io),
+                fd,
+                ctx,
+                &tokens.listeners_closed,
+            ))
+            .await
+            {
                 return;
             }
             if let Ok(stream) = came_home.await {
@@ -94,13 +100,12 @@ pub async fn serve(
 /// The first time the connection parks, it moves to a task of its own ([`keep_alive`]) that
 /// holds a parked connection's few hundred bytes, and this task, sized for detecting the
 /// protocol and serving the first session, ends.
-async fn serve_http1(stream: TcpStream, ctx: Arc<ConnCtx>, draining: &CancellationToken) {
-    let sessions = Box::pin(http1_sessions(stream, &ctx, draining, false));
+async fn serve_http1(stream: TcpStream, ctx: Arc<ConnCtx>, listeners_closed: &Watch) {
+    let sessions = Box::pin(http1_sessions(stream, &ctx, listeners_closed, false));
     if let Some(parked) = sessions.await {
         let side = ctx.proxy.drain.side(ctx.conn().direction());
-        let parked = keep_alive(parked, ctx.clone(), draining.clone());
-        side.tracker
-            .spawn(parked.instrument(tracing::Span::current()));
+        let parked = keep_alive(parked, ctx.clone(), listeners_closed.clone());
+        side.spawn(parked.instrument(tracing::Span::current()));
     }
 }
 
@@ -113,17 +118,17 @@ async fn serve_http1(stream: TcpStream, ctx: Arc<ConnCtx>, draining: &Cancellati
 fn keep_alive(
     mut stream: TcpStream,
     ctx: Arc<ConnCtx>,
-    draining: CancellationToken,
+    listeners_closed: Watch,
 ) -> impl Future<Output = ()> + Send {
     async move {
         loop {
             let fd = stream.as_raw_fd();
             let idle = tokio::time::sleep(ctx.proxy.http.header_read_timeout);
-            let drain = draining.cancelled();
+            let drain = listeners_closed.cancelled();
             tokio::pin!(idle, drain);
             let wake = std::future::poll_fn(|cx| {
                 if drain.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(Wake::Draining);
+                    return Poll::Ready(Wake::ListenersClosed);
                 }
                 match stream.poll_read_ready(cx) {
                     Poll::Ready(Ok(())) => return Poll::Ready(Wake::Readable),
@@ -136,17 +141,17 @@ fn keep_alive(
                 // The next request (or the client's FIN) is here.
                 Wake::Readable => false,
                 // The grace period ran out, or a second signal: `force_close` cancels
-                // `draining` and `terminate` together.
-                Wake::Draining if ctx.terminate.is_cancelled() => return reset_client(fd),
+                // `listeners_closed` and `terminate` together.
+                Wake::ListenersClosed if ctx.terminate.is_cancelled() => return reset_client(fd),
                 // The listeners closed: a parked connection is idle, unless a request's
                 // bytes have just arrived (then it is served, with `connection: close`).
-                Wake::Draining if net::unread_bytes(fd) == 0 => return,
-                Wake::Draining => true,
+                Wake::ListenersClosed if net::unread_bytes(fd) == 0 => return,
+                Wake::ListenersClosed => true,
                 // The client went away, or stayed idle for the header read timeout (hyper's
                 // keep-alive timeout, which the parking keeps).
                 Wake::Closed => return,
             };
-            let sessions = Box::pin(http1_sessions(stream, &ctx, &draining, closing));
+            let sessions = Box::pin(http1_sessions(stream, &ctx, &listeners_closed, closing));
             match sessions.await {
                 Some(parked) => stream = parked,
                 None => return,
@@ -160,7 +165,7 @@ enum Wake {
     /// The socket is readable: a request, or the client's FIN.
     Readable,
     /// The side's listeners closed (or the drain is terminating).
-    Draining,
+    ListenersClosed,
     /// The socket failed, or the idle timeout passed.
     Closed,
 }
@@ -172,12 +177,12 @@ enum Wake {
 async fn http1_sessions(
     mut stream: TcpStream,
     ctx: &Arc<ConnCtx>,
-    draining: &CancellationToken,
+    listeners_closed: &Watch,
     closing: bool,
 ) -> Option<TcpStream> {
     let mut unparsed = Bytes::new();
     loop {
-        match http1_session(stream, unparsed, ctx, draining, closing).await {
+        match http1_session(stream, unparsed, ctx, listeners_closed, closing).await {
             Session::Done => return None,
             Session::Parked(socket, rest) if rest.is_empty() => return Some(socket),
             Session::Parked(socket, rest) => (stream, unparsed) = (socket, rest),
@@ -198,7 +203,7 @@ async fn http1_session(
     stream: TcpStream,
     prefix: Bytes,
     ctx: &Arc<ConnCtx>,
-    draining: &CancellationToken,
+    listeners_closed: &Watch,
     mut closing: bool,
 ) -> Session {
     let fd = stream.as_raw_fd();
@@ -220,7 +225,7 @@ async fn http1_session(
     let mut connection = builder
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
-    let mut drain = pin!(Cancelled::new(draining));
+    let mut drain = pin!(Cancelled::new(listeners_closed));
     let mut terminate = pin!(Cancelled::new(&ctx.terminate));
     let served = loop {
         tokio::select! {
@@ -276,7 +281,7 @@ async fn serve_http2(
     io: TokioIo<ServerIo>,
     fd: RawFd,
     ctx: Arc<ConnCtx>,
-    draining: &CancellationToken,
+    listeners_closed: &Watch,
 ) -> bool {
     let config = &ctx.proxy.http;
     let mut builder = http2::Builder::new(TokioExecutor::new());
@@ -298,7 +303,7 @@ async fn serve_http2(
                 // Opened during the lame-duck period: serve its first request first.
                 _ = ctx.first_request.notified() => {}
                 // Unless the listeners close before it makes one.
-                _ = draining.cancelled() => {}
+                _ = listeners_closed.cancelled() => {}
             }
         }
     };
@@ -376,7 +381,7 @@ async fn serve_http2(
 
 /// Reads and discards what the client still sends after the proxy's FIN, until the client
 /// closes, [`LINGER`] passes, or the drain terminates.
-async fn linger(stream: TcpStream, terminate: &CancellationToken) {
+async fn linger(stream: TcpStream, terminate: &Watch) {
     tokio::select! {
         // The client closed its side too (or failed).
         () = tcp::discard(&stream) => {}

@@ -381,7 +381,7 @@ fn error_response(
 fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade) {
     let registration = ctx.registration.clone();
     let terminate = ctx.terminate.clone();
-    let tracker = ctx.proxy.drain.side(ctx.conn().direction()).tracker.clone();
+    let side = ctx.proxy.drain.side(ctx.conn().direction());
     let shared = ctx.proxy.clone();
     let tunnel = async move {
         let (client, target) = match tokio::try_join!(client, target) {
@@ -418,7 +418,7 @@ fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade) {
         }
         drop(registration);
     };
-    tracker.spawn(tunnel.in_current_span());
+    side.spawn(tunnel.in_current_span());
 }
 
 async fn write_all(stream: &TcpStream, bytes: &[u8]) -> io::Result<()> {
