@@ -1,4 +1,4 @@
-//! Side-by-side benchmark of lameduck against no proxy, HAProxy and nginx (issue 6).
+//! Side-by-side benchmark of lameduck against no proxy, HAProxy and nginx.
 //!
 //! `cargo bench --bench proxy` runs every workload with every installed subject, several
 //! repetitions each, and writes a markdown table and JSON to `target/bench/`.
@@ -765,7 +765,7 @@ fn idle_memory(plan: &Plan, subject: Subject, proxy: &Running, http: bool) -> Ve
     vec![idle, per]
 }
 
-/// Start-up to `/ready`, and the shutdown times of CONTRACT section 3 (lameduck only).
+/// Start-up to `/ready`, and the shutdown times of docs/lifecycle.md (lameduck only).
 fn lifecycle(plan: &Plan, target: &Target, dir: &Path) -> Vec<Sample> {
     let _ = dir;
     let mut startup = sample(

@@ -1,4 +1,4 @@
-//! The admin server (CONTRACT section 4). It serves until the process exits, through the whole
+//! The admin server (docs/admin.md). It serves until the process exits, through the whole
 //! shutdown, and is never part of the drain.
 //!
 //! | request | answer |

@@ -1,7 +1,7 @@
 //! Configuration: the command line, the `LAMEDUCK_*` environment variables and their defaults,
 //! parsed along one path into a validated [`Config`].
 //!
-//! Every setting has a flag and a variable (CONTRACT section 5). A flag wins over its variable,
+//! Every setting has a flag and a variable (docs/configuration.md). A flag wins over its variable,
 //! a variable over the default. Values are parsed by the same function whichever source they
 //! came from, and a bad value becomes a [`ConfigError`] that names the flag or the variable it
 //! came from, quotes the value and shows a good example; `main` turns it into exit status 2.

@@ -1,5 +1,5 @@
 //! Log output: `tracing` events to stderr, as plain text or JSON lines, filtered with
-//! `RUST_LOG` syntax (CONTRACT section 6). Stdout stays free for commands that print data.
+//! `RUST_LOG` syntax (docs/admin.md). Stdout stays free for commands that print data.
 
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};

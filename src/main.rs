@@ -1,5 +1,5 @@
 //! The `lameduck` binary: install the signal handlers, parse the command line, dispatch.
-//! Exit statuses (CONTRACT section 3): 0 after a graceful shutdown, 1 when the proxy cannot
+//! Exit statuses (docs/lifecycle.md): 0 after a graceful shutdown, 1 when the proxy cannot
 //! run, 2 for invalid configuration, 128+N when a second signal N forced the stop.
 
 use clap::{Parser, Subcommand};

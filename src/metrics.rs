@@ -1,4 +1,4 @@
-//! Prometheus metrics (CONTRACT section 6), served by `GET /metrics` in OpenMetrics text.
+//! Prometheus metrics (docs/admin.md), served by `GET /metrics` in OpenMetrics text.
 //!
 //! Counters that change per event live in [`Metrics`]. What can be read off the connection
 //! registry and the drain at scrape time (open connections, bytes, the shutdown phase) is

@@ -1,5 +1,5 @@
-//! The admin server of CONTRACT section 4 (TEST-CATALOG rows AS-01, AS-02, AS-03, AS-04, AS-06),
-//! `/connections` and `/metrics`.
+//! The admin server of docs/admin.md: liveness and readiness through the shutdown, the
+//! loopback-only shutdown endpoint, `/connections` and `/metrics`.
 
 mod support;
 

@@ -1,4 +1,4 @@
-//! Configuration from flags and variables, on the real binary (TEST-CATALOG row BI-07):
+//! Configuration from flags and variables (docs/configuration.md), on the real binary:
 //! bad values exit 2 at once with a message naming the setting; good ones take effect.
 
 mod support;

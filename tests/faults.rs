@@ -1,5 +1,5 @@
-//! Faults on either side of a TCP route (TEST-CATALOG rows FT-02, FT-04, FT-05, FT-06, FT-07):
-//! the proxy passes them on honestly, frees what it held, and keeps serving.
+//! Faults on either side of a TCP route (a target that refuses, resets or vanishes, a client
+//! that goes away): the proxy passes them on honestly, frees what it held, and keeps serving.
 
 mod support;
 

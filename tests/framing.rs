@@ -1,4 +1,4 @@
-//! HTTP/1 framing as strict as the RFCs (issue 17): each rule on the wire, with the status the
+//! HTTP/1 framing as strict as the RFCs: each rule on the wire, with the status the
 //! client gets and what the target received.
 
 mod support;

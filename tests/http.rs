@@ -1,6 +1,6 @@
-//! HTTP proxying and HTTP-aware draining on the real binary (TEST-CATALOG rows SD-02, SD-03,
-//! SD-04, SD-09, FT-01, FT-02, FT-03, BI-01, BI-02, BI-03, BI-04, BI-05, BI-08, BI-09), and
-//! protocol detection on `auto` routes.
+//! HTTP proxying (docs/http.md) and HTTP-aware draining (docs/lifecycle.md) on the real
+//! binary: requests in flight finish, idle connections close, targets that fail are answered
+//! honestly, hostile clients are bounded; and protocol detection on `auto` routes.
 
 mod support;
 
@@ -197,7 +197,7 @@ fn http1_inflight_request_completes_with_connection_close() {
         exit < Duration::from_secs(1),
         "exit {exit:?} after the response"
     );
-    eprintln!("SD-02: exit {exit:?} after the last response");
+    eprintln!("exit {exit:?} after the last response");
 }
 
 #[test]
@@ -227,7 +227,7 @@ fn idle_keepalive_connection_is_closed_at_once() {
     );
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
     eprintln!(
-        "SD-03: idle keep-alive closed {closed:?} after SIGTERM, exit {:?}",
+        "idle keep-alive closed {closed:?} after SIGTERM, exit {:?}",
         sent.elapsed()
     );
 }
@@ -639,7 +639,7 @@ fn oversized_headers_get_431_without_growing_memory() {
         }
     }
     let growth = rss_kib(proxy.pid()).saturating_sub(rss_before);
-    eprintln!("BI-02: RSS grew {growth} KiB over 600 oversized requests");
+    eprintln!("RSS grew {growth} KiB over 600 oversized requests");
     assert!(growth < 10 * 1024, "RSS grew {growth} KiB");
     assert!(backend.seen().is_empty());
     assert!(proxy.is_running());
@@ -691,7 +691,7 @@ fn slow_headers_are_cut_at_the_header_read_timeout() {
         trickle_at < Duration::from_secs(3),
         "a byte-a-time client was cut only at {trickle_at:?}"
     );
-    eprintln!("BI-03: silent client cut at {silent_at:?}, trickling client at {trickle_at:?}");
+    eprintln!("silent client cut at {silent_at:?}, trickling client at {trickle_at:?}");
 
     // Hundreds of clients stuck in their headers do not slow the others down.
     let stuck: Vec<TcpStream> = (0..500)
@@ -708,7 +708,7 @@ fn slow_headers_are_cut_at_the_header_read_timeout() {
     latencies.sort();
     let p99 = latencies[98];
     eprintln!(
-        "BI-03: with 500 stuck clients, p50 {:?}, p99 {p99:?}",
+        "with 500 stuck clients, p50 {:?}, p99 {p99:?}",
         latencies[50]
     );
     assert!(
@@ -941,7 +941,7 @@ fn target_closing_idle_keepalive_connections_costs_no_request() {
     }
     let failed = statuses.iter().filter(|&&status| status != 200).count();
     eprintln!(
-        "FT-10: {failed} of {} requests failed as the target closed idle connections",
+        "{failed} of {} requests failed as the target closed idle connections",
         statuses.len()
     );
     assert_eq!(failed, 0, "{statuses:?}");

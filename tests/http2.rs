@@ -1,5 +1,5 @@
-//! HTTP/2 through the proxy and its drain, asserted frame by frame (TEST-CATALOG rows SD-05,
-//! SD-06, SD-07, BI-06), and under load with h2load (SD-11).
+//! HTTP/2 through the proxy and its drain, asserted frame by frame (GOAWAY, streams that
+//! finish or are refused, rapid reset and CONTINUATION floods).
 
 mod support;
 

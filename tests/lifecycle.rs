@@ -1,5 +1,5 @@
-//! The shutdown lifecycle of CONTRACT section 3, driven by real signals on the real binary
-//! (TEST-CATALOG rows SD-01, SD-08, SD-09, SD-12, SD-13, SD-14).
+//! The shutdown lifecycle of docs/lifecycle.md, driven by real signals on the real binary:
+//! refusal, drain, the grace period, a second signal, signals during start-up, PID 1.
 
 mod support;
 

@@ -1,4 +1,4 @@
-//! Shutdown under load (TEST-CATALOG rows SD-10 and SD-11): no request that a client wrote is
+//! Shutdown under load: no request that a client wrote is
 //! lost, with and without a lame-duck period, over HTTP/1.1 keep-alive and HTTP/2.
 
 mod support;
@@ -132,7 +132,7 @@ fn check(tally: &Tally, backend: &Backend, mode: &str) {
     }
     let unanswered: Vec<_> = seen.difference(&tally.completed).collect();
     eprintln!(
-        "SD-10 {mode}: sent {}, completed {}, refused before sending {}, retried after an idle close {}, lost {}, non-2xx {}",
+        "{mode}: sent {}, completed {}, refused before sending {}, retried after an idle close {}, lost {}, non-2xx {}",
         tally.sent,
         tally.completed.len(),
         tally.refused,
@@ -230,7 +230,7 @@ fn h2load_under_sigterm_sees_no_errors() {
     // status codes: N 2xx, N 3xx, N 4xx, N 5xx
     let statuses = counts("status codes:");
     eprintln!(
-        "SD-11 h2load under SIGTERM: {total} total, {succeeded} succeeded, {failed} failed (never sent: GOAWAY), \
+        "h2load under SIGTERM: {total} total, {succeeded} succeeded, {failed} failed (never sent: GOAWAY), \
          {errored} errored, {timeout} timeout, 5xx {}; the app saw {app_saw}",
         statuses[6]
     );

@@ -1,5 +1,5 @@
 //! `lameduck await [OPTIONS] -- CMD [ARGS...]`: run an app under the proxy's lifecycle, so
-//! that Jobs complete (CONTRACT section 1).
+//! that Jobs complete (docs/jobs.md).
 //!
 //! It waits until the proxy's `GET /ready` answers 2xx, then runs the command. Without
 //! `--shutdown` the command replaces the wrapper (exec: same PID, signals untouched). With

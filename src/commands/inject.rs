@@ -1,5 +1,5 @@
 //! `lameduck inject`: read Kubernetes YAML, write it back with the proxy injected into every
-//! pod template (CONTRACT section 5).
+//! pod template (docs/kubernetes.md).
 //!
 //! Pod, Deployment, StatefulSet, DaemonSet, ReplicaSet, ReplicationController, Job and CronJob
 //! are injected; `kind: List` items are visited; anything else passes through. Documents are

@@ -4,7 +4,7 @@
 //!
 //! A client that sends nothing is waited for until the detection timeout (then it is opaque
 //! TCP on an `auto` route: server-speaks-first protocols) or until its side's listeners close
-//! (then it is closed at once: CONTRACT section 3 step 4 — unless it was accepted less than
+//! (then it is closed at once: docs/lifecycle.md, draining — unless it was accepted less than
 //! [`SILENT_GRACE`] ago: a client whose `connect()` just returned, possibly out of the listen
 //! queue as the listener closed, gets until then to write its request).
 

@@ -130,7 +130,7 @@ struct Idle {
 impl Http1Pool {
     /// Sends `request` on an idle connection or a new one. A request that an idle connection
     /// could not take at all (the target had closed it) goes to the next one.
-    // Not an `async fn`: its future would hold the request twice (rust-lang/rust#62958).
+    // Not an `async fn` (docs/architecture.md, "One note on `async fn`").
     #[allow(clippy::manual_async_fn)]
     pub fn send(
         self: &Arc<Self>,

@@ -23,10 +23,11 @@ use crate::metrics::Timeout;
 use crate::net::unread_bytes;
 
 /// How long an HTTP/1 keep-alive connection waits for its next request before it is parked
-/// (its hyper connection and buffers dropped; see [`serve_http1`]). A connection whose requests
-/// come closer together never parks; one that does pays about 2 µs (some 9,000 instructions)
-/// to set up the next request's hyper connection, at most 2 µs per 10 ms: 0.02 % of a CPU. The
-/// shorter the wait, the fewer connections hold their buffers at once when many go idle.
+/// (its hyper connection and buffers dropped; see `server::serve_http1`). A connection whose
+/// requests come closer together never parks; one that does pays the set-up of a new hyper
+/// connection for its next request, once per wait at most, a cost too small to see against the
+/// wait. The shorter the wait, the fewer connections hold their buffers at once when many go
+/// idle.
 pub(super) const PARK_AFTER: Duration = Duration::from_millis(10);
 
 /// The client socket as hyper sees it: counts bytes both ways, and when hyper drops it after

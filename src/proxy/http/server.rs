@@ -1,6 +1,6 @@
 //! Serving one HTTP connection (HTTP/1 or HTTP/2 prior knowledge) and draining it.
 //!
-//! The drain, per CONTRACT section 3:
+//! The drain (docs/lifecycle.md):
 //! - lame duck (`go_away`): HTTP/1 responses carry `connection: close` (added by the proxy
 //!   service); HTTP/2 connections get GOAWAY (for a connection opened during the lame-duck
 //!   period, after its first request, so that it is served once);
@@ -112,8 +112,8 @@ async fn serve_http1(stream: TcpStream, ctx: Arc<ConnCtx>, listeners_closed: &Wa
 /// An HTTP/1 connection after it first parked: waits with only its socket for the next
 /// request, serves it in new sessions until they park again, and so on until the connection
 /// ends.
-// Not an `async fn`: its future would hold each argument twice (rust-lang/rust#62958), 80 more
-// bytes in every parked connection.
+// Not an `async fn`: every parked connection holds this future (docs/architecture.md, "One
+// note on `async fn`").
 #[allow(clippy::manual_async_fn)]
 fn keep_alive(
     mut stream: TcpStream,
@@ -217,9 +217,9 @@ async fn http1_session(
     let park_after = (!closing).then(|| ctx.requests_started.load(Ordering::Acquire));
     let (io, came_home) = ServerIo::new(stream, ctx.clone(), prefix, park_after);
     let service_ctx = ctx.clone();
-    // Not boxed: hyper writes each request's future into a slot it allocated for the session
-    // (about 1.7 KiB), so a box would only add an allocation per request; a parked connection
-    // has no session, so idle connections do not hold it.
+    // Not boxed: hyper writes each request's future into a slot it allocated for the session,
+    // so a box would only add an allocation per request; a parked connection has no session,
+    // so idle connections do not hold it.
     let service =
         hyper::service::service_fn(move |request| service::handle(service_ctx.clone(), request));
     let mut connection = builder

@@ -63,8 +63,8 @@ pub fn handle(
     forward(ctx, request, in_flight, body_watch)
 }
 
-// Not `async fn`s, here and in `send`: their futures would hold each argument twice
-// (rust-lang/rust#62958), and this one is written into hyper's slot for every request.
+// Not `async fn`s, here and in `send`: hyper stores this future for every request
+// (docs/architecture.md, "One note on `async fn`").
 #[allow(clippy::manual_async_fn)]
 fn forward(
     ctx: Arc<ConnCtx>,
