@@ -26,6 +26,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
+#[path = "../tests/support/process.rs"]
+#[allow(dead_code)]
+mod process;
+use process::{cpu_time, rss_kib};
+
 const BIN: &str = env!("CARGO_BIN_EXE_lameduck");
 const PROXY_CPU: usize = 0;
 const LOAD_CPU: usize = 1;
@@ -1151,31 +1156,4 @@ fn raise_fd_limit(want: u64) -> u64 {
 fn signal(child: &Child, signal: i32) {
     // SAFETY: kill(2) has no memory-safety preconditions.
     unsafe { libc::kill(child.id() as i32, signal) };
-}
-
-/// User and kernel CPU time of `pid`, from /proc.
-fn cpu_time(pid: i32) -> (Duration, Duration) {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return (Duration::ZERO, Duration::ZERO);
-    };
-    let fields: Vec<&str> = stat[stat.rfind(')').unwrap_or(0) + 2..]
-        .split(' ')
-        .collect();
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
-    let ticks =
-        |field: &str| Duration::from_micros(field.parse::<u64>().unwrap_or(0) * 1_000_000 / hz);
-    (ticks(fields[11]), ticks(fields[12]))
-}
-
-fn rss_kib(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .map(|v| v.trim().trim_end_matches(" kB").trim().parse().unwrap_or(0))
-        })
-        .unwrap_or(0)
 }

@@ -13,6 +13,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use support::backend::Backend;
+use support::process::children;
 use support::*;
 
 /// An admin server stand-in: `/ready` answers 503 until `ready_after` requests were made (or
@@ -384,14 +385,6 @@ fn as_pid_1_it_reaps_orphans() {
     );
     assert_eq!(wait_child(&mut child, PATIENCE).code(), Some(0));
     assert_eq!(admin.count("POST /shutdown"), 1);
-}
-
-fn children(pid: i32) -> Vec<i32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
 }
 
 fn state(pid: i32) -> char {

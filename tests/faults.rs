@@ -9,15 +9,12 @@ use std::sync::atomic::Ordering;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use support::process::cpu_total;
 use support::*;
 
 #[test]
 fn refused_target_resets_the_client_promptly_and_is_counted() {
-    // A port that nobody listens on.
-    let closed_port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let closed_port = closed_port();
     let mut proxy = Proxy::start(&["--inbound", &format!("127.0.0.1:0={closed_port}/tcp")]);
     let inbound = proxy.inbound[0];
     let started = Instant::now();
@@ -60,10 +57,10 @@ fn refused_target_resets_the_client_promptly_and_is_counted() {
         100.0
     );
     // No retry loop left behind: the proxy is idle and ready.
-    let cpu_before = cpu_time(proxy.pid());
+    let cpu_before = cpu_total(proxy.pid());
     thread::sleep(Duration::from_millis(500));
     assert!(
-        cpu_time(proxy.pid()) - cpu_before < Duration::from_millis(100),
+        cpu_total(proxy.pid()) - cpu_before < Duration::from_millis(100),
         "the proxy keeps working after the failures"
     );
     assert_eq!(proxy.get("/ready").status, 200);
@@ -325,11 +322,11 @@ fn out_of_file_descriptors_backs_off_without_spinning_and_recovers() {
 
 /// CPU used by the proxy and log lines containing `needle` over `window`.
 fn measure(proxy: &Proxy, needle: &str, window: Duration) -> (Duration, usize, Duration) {
-    let cpu_before = cpu_time(proxy.pid());
+    let cpu_before = cpu_total(proxy.pid());
     let logged_before = count_lines(&proxy.logs, needle);
     let started = Instant::now();
     thread::sleep(window);
-    let cpu = cpu_time(proxy.pid()) - cpu_before;
+    let cpu = cpu_total(proxy.pid()) - cpu_before;
     (
         cpu,
         count_lines(&proxy.logs, needle) - logged_before,

@@ -9,15 +9,9 @@ use std::net::{TcpListener, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use support::backend::{Backend, get, read_response, send_raw};
+use support::backend::{Backend, get, proxy_for, read_response, send_raw};
+use support::process::rss_kib;
 use support::*;
-
-fn proxy_for(backend: &Backend, extra: &[&str]) -> Proxy {
-    let route = backend.route("127.0.0.1:0");
-    let mut args = vec!["--inbound", route.as_str()];
-    args.extend_from_slice(extra);
-    Proxy::start(&args)
-}
 
 fn wait_seen(backend: &Backend, path: &str) {
     wait_until(&format!("the backend sees {path}"), PATIENCE, || {
@@ -159,7 +153,8 @@ fn connections_to_the_app_are_reused_only_after_a_whole_response() {
     let mut head = [0u8; 64];
     assert!(cut.read(&mut head).unwrap() > 0);
     drop(cut);
-    thread::sleep(Duration::from_millis(300));
+    // The proxy notices at its next write, and lets the cut connection go.
+    proxy.wait_open_connections(0);
     exchange("/");
     let seen = connections(&backend.seen());
     assert_eq!(seen[4], 0, "the cut response had the pooled connection");
@@ -266,7 +261,8 @@ fn connections_that_never_sent_a_byte_are_closed_at_once() {
     let mut silent_in = TcpStream::connect(proxy.inbound[0]).unwrap();
     let mut silent_out = TcpStream::connect(proxy.outbound[0]).unwrap();
     let mut partial = send_raw(proxy.inbound[0], b"GET");
-    thread::sleep(Duration::from_millis(100));
+    // All three accepted, not waiting in a listen queue when the signal comes.
+    proxy.wait_open_connections(3);
     let sent = Instant::now();
     proxy.signal(libc::SIGTERM);
     for silent in [&mut silent_in, &mut silent_out] {
@@ -422,10 +418,7 @@ fn target_dying_mid_body_never_looks_complete() {
 
 #[test]
 fn unreachable_target_answers_502_and_slow_target_504() {
-    let closed = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let closed = closed_port();
     let mut proxy = Proxy::start(&["--inbound", &format!("127.0.0.1:0={closed}/http")]);
     for _ in 0..20 {
         let started = Instant::now();
@@ -643,19 +636,6 @@ fn oversized_headers_get_431_without_growing_memory() {
     assert!(growth < 10 * 1024, "RSS grew {growth} KiB");
     assert!(backend.seen().is_empty());
     assert!(proxy.is_running());
-}
-
-fn rss_kib(pid: i32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches(" kB")
-        .trim()
-        .parse()
-        .unwrap()
 }
 
 #[test]
@@ -1065,7 +1045,7 @@ fn idle_keepalive_connections_hold_no_http_buffers() {
     let proxy = proxy_for(&backend, &[]);
     let warm = send_raw(proxy.inbound[0], &get("/"));
     drop(warm);
-    thread::sleep(Duration::from_millis(300));
+    proxy.wait_open_connections(0);
     let before = rss_kib(proxy.pid());
     let held: Vec<TcpStream> = (0..1000)
         .map(|_| {

@@ -10,16 +10,10 @@ use std::time::{Duration, Instant};
 
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
-use support::backend::Backend;
+use support::backend::{Backend, proxy_for};
 use support::h2raw::*;
+use support::process::cpu_total;
 use support::*;
-
-fn proxy_for(backend: &Backend, extra: &[&str]) -> Proxy {
-    let route = backend.route("127.0.0.1:0");
-    let mut args = vec!["--inbound", route.as_str()];
-    args.extend_from_slice(extra);
-    Proxy::start(&args)
-}
 
 /// How a connection's frames ended.
 #[derive(Debug, PartialEq, Eq)]
@@ -262,10 +256,10 @@ fn h2_rapid_reset_and_continuation_flood_get_goaway() {
         .read_until(|frame| frame.stream == 1 && frame.flags & END_STREAM != 0)
         .unwrap();
     assert!(frames.iter().any(|f| f.stream == 1 && f.is_status_200()));
-    let cpu = cpu_time(proxy.pid());
+    let cpu = cpu_total(proxy.pid());
     std::thread::sleep(Duration::from_millis(500));
     assert!(
-        cpu_time(proxy.pid()) - cpu < Duration::from_millis(100),
+        cpu_total(proxy.pid()) - cpu < Duration::from_millis(100),
         "the proxy is still busy"
     );
     proxy.signal(libc::SIGTERM);

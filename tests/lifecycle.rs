@@ -7,6 +7,7 @@ use std::io::{Read, Write};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use support::process::children;
 use support::*;
 
 #[test]
@@ -503,14 +504,6 @@ fn wait_for_child_pid(parent: i32) -> i32 {
         pid.is_some()
     });
     pid.unwrap()
-}
-
-fn children(pid: i32) -> Vec<i32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
 }
 
 fn comm(pid: i32) -> String {

@@ -153,6 +153,15 @@ impl Load {
         }
     }
 
+    /// Waits (boundedly) until the load flows: as many requests answered as a few rounds of
+    /// every client.
+    fn flowing(&self) {
+        let enough = 5 * (KEEP_ALIVE_CLIENTS + NEW_CONNECTION_CLIENTS);
+        support::wait_until("the load flows", support::PATIENCE, || {
+            self.tally.lock().unwrap().ok >= enough
+        });
+    }
+
     fn deleted(&self) {
         *self.deleted_at.lock().unwrap() = Some(Instant::now());
     }
@@ -291,7 +300,7 @@ fn delete_under_load(tag: &str, mode: &str, native: bool) {
         "{out}"
     );
     let load = Load::start(&pod);
-    std::thread::sleep(Duration::from_secs(1));
+    load.flowing();
     load.deleted();
     let deletion = pod.delete();
     let tally = load.finish();

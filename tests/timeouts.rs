@@ -5,14 +5,14 @@
 mod support;
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use support::backend::{Backend, get, read_response, send_raw};
 use support::h2raw::{
     self, CONTINUATION, END_HEADERS, END_STREAM, GOAWAY, H2, HEADERS, PREFACE, SETTINGS,
 };
-use support::{PATIENCE, Proxy, shutdown_write};
+use support::{PATIENCE, Proxy, shutdown_write, silent_target};
 
 /// The bound under test, and the slack allowed past it (the checks look every quarter of a
 /// bound; a stalled HTTP/2 client gets a second to answer the GOAWAY's PING before the reset;
@@ -210,13 +210,6 @@ fn an_idle_http2_connection_gets_goaway_at_the_idle_timeout_but_a_busy_one_does_
         proxy.metric("lameduck_timeouts_total{timeout=\"http2_idle\"}"),
         1.0
     );
-}
-
-/// A target that accepts and then neither reads, writes nor closes.
-fn silent_target() -> (TcpListener, SocketAddr) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    (listener, addr)
 }
 
 #[test]

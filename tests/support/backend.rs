@@ -372,3 +372,11 @@ pub fn send_raw(addr: SocketAddr, bytes: &[u8]) -> TcpStream {
 pub fn get(path: &str) -> Vec<u8> {
     format!("GET {path} HTTP/1.1\r\nHost: app.local\r\n\r\n").into_bytes()
 }
+
+/// The proxy with one inbound route (protocol `auto`) to `backend`, and `extra` flags.
+pub fn proxy_for(backend: &Backend, extra: &[&str]) -> super::Proxy {
+    let route = backend.route("127.0.0.1:0");
+    let mut args = vec!["--inbound", route.as_str()];
+    args.extend_from_slice(extra);
+    super::Proxy::start(&args)
+}

@@ -7,6 +7,7 @@
 
 pub mod backend;
 pub mod h2raw;
+pub mod process;
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -234,6 +235,20 @@ impl Proxy {
 
     pub fn post(&self, path: &str) -> HttpResponse {
         http(self.admin, "POST", path, &[])
+    }
+
+    /// The open proxy connections, as `/connections` lists them.
+    pub fn open_connections(&self) -> Vec<serde_json::Value> {
+        let body = self.get("/connections").body;
+        let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+        json["connections"].as_array().unwrap().clone()
+    }
+
+    /// Waits (boundedly) until `/connections` lists exactly `count` connections.
+    pub fn wait_open_connections(&self, count: usize) {
+        wait_until(&format!("{count} open connections"), PATIENCE, || {
+            self.open_connections().len() == count
+        });
     }
 
     /// The value of a metric sample, by its full line prefix (name and labels).
@@ -536,16 +551,19 @@ pub fn fd_count(pid: i32) -> usize {
         .unwrap_or(0)
 }
 
-/// CPU time (user + system) a process has used, from /proc/PID/stat.
-pub fn cpu_time(pid: i32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
-    let fields: Vec<&str> = after_name.split(' ').collect();
-    // Fields 14 and 15 of stat(5), counted from the state field (3).
-    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
-    Duration::from_millis(ticks * 1000 / hz)
+/// A port that nobody listens on (bound, then closed): connecting to it is refused.
+pub fn closed_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// A target that accepts and then neither reads, writes nor closes (keep the listener).
+pub fn silent_target() -> (TcpListener, SocketAddr) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    (listener, addr)
 }
 
 /// A target that never answers: a listener whose accept queue is full and never drained, so
