@@ -84,7 +84,7 @@ enum State {
 pub struct InboundControl {
     drain: Arc<Drain>,
     conns: Arc<Connections>,
-    shared: Arc<ProxyContext>,
+    proxy: Arc<ProxyContext>,
     /// Every inbound route, with its real listen address, to bind again on resume.
     routes: Vec<Arc<ProxyRoute>>,
     lame_duck: Duration,
@@ -98,7 +98,7 @@ impl InboundControl {
     pub fn new(
         drain: Arc<Drain>,
         conns: Arc<Connections>,
-        shared: Arc<ProxyContext>,
+        proxy: Arc<ProxyContext>,
         routes: Vec<Arc<ProxyRoute>>,
         lame_duck: Duration,
         grace: Duration,
@@ -106,7 +106,7 @@ impl InboundControl {
         InboundControl {
             drain,
             conns,
-            shared,
+            proxy,
             routes,
             lame_duck,
             grace,
@@ -218,21 +218,21 @@ impl InboundControl {
         }
         let _ = outcome.wait_for(Option::is_some).await;
         let mut bound = Vec::with_capacity(self.routes.len());
-        for handle in &self.routes {
-            let listen = handle.route.listen;
+        for proxy_route in &self.routes {
+            let listen = proxy_route.route.listen;
             let listener = net::bind(listen)
                 .map_err(|error| format!("cannot bind the inbound listener {listen}: {error}"))?;
-            bound.push((handle.clone(), listener));
+            bound.push((proxy_route.clone(), listener));
         }
         if self.drain.reason().is_some() {
             return Err("the proxy is shutting down".into());
         }
         let (side, _) = self.drain.renew_inbound();
-        for (handle, listener) in bound {
+        for (proxy_route, listener) in bound {
             side.spawn_accept_loop(proxy::accept::accept_loop(
                 listener,
-                handle,
-                self.shared.clone(),
+                proxy_route,
+                self.proxy.clone(),
                 side.clone(),
             ));
         }

@@ -1,9 +1,8 @@
-//! Listening sockets and the accept loop of every proxy route.
+//! The accept loop of every proxy route.
 //!
-//! [`bind`] opens a socket with the options the proxy wants (address reuse, a deep backlog).
 //! [`accept_loop`] hands each accepted connection to the route's handler as a task tracked by
-//! the side's [`TaskTracker`](tokio_util::task::TaskTracker). It accepts only while the
-//! process is under its [`connection_limit`] (otherwise clients wait in the kernel's queue),
+//! its [`Side`]. It accepts only while the process is under its connection limit
+//! ([`net::connection_limit`]; otherwise clients wait in the kernel's queue),
 //! backs off instead of spinning when accepting fails for lack of file descriptors or memory,
 //! and when its side's listeners close, accepts what the kernel already queued (those clients
 //! completed their handshake) before closing the socket, so that later connection attempts are
@@ -35,15 +34,15 @@ const AT_LIMIT_LOG_INTERVAL: Duration = Duration::from_secs(1);
 /// Accepts connections for `route` until `side`'s listeners close.
 pub async fn accept_loop(
     listener: TcpListener,
-    handle: Arc<ProxyRoute>,
-    shared: Arc<ProxyContext>,
+    proxy_route: Arc<ProxyRoute>,
+    proxy: Arc<ProxyContext>,
     side: Arc<Side>,
 ) {
-    let route = &handle.route;
+    let route = &proxy_route.route;
     let mut errors = AcceptErrors::default();
     let mut at_limit_log = Throttle::new(AT_LIMIT_LOG_INTERVAL);
     loop {
-        let Some(permit) = room_for_one_more(&shared, &side, route, &mut at_limit_log).await else {
+        let Some(permit) = room_for_one_more(&proxy, &side, route, &mut at_limit_log).await else {
             break;
         };
         let accepted = tokio::select! {
@@ -58,10 +57,10 @@ pub async fn accept_loop(
         match accepted {
             Ok((stream, peer)) => {
                 errors.succeeded();
-                spawn_connection(stream, peer, &handle, &shared, &side, Some(permit));
+                spawn_connection(stream, peer, &proxy_route, &proxy, &side, Some(permit));
             }
             Err(error) => {
-                shared.metrics.accept_failed(route.direction);
+                proxy.metrics.accept_failed(route.direction);
                 tokio::select! {
                     // The shutdown sequence closed this side's listeners while backing off.
                     _ = side.stop_accepting() => break,
@@ -71,7 +70,7 @@ pub async fn accept_loop(
             }
         }
     }
-    accept_queued(listener, &handle, &shared, &side);
+    accept_queued(listener, &proxy_route, &proxy, &side);
     info!(direction = %route.direction, listen = %route.listen, "listener closed");
 }
 
@@ -79,19 +78,19 @@ pub async fn accept_loop(
 /// [`AT_LIMIT_LOG_INTERVAL`]) when the limit holds new connections back. `None` when the
 /// route's listeners close meanwhile.
 async fn room_for_one_more(
-    shared: &ProxyContext,
+    proxy: &ProxyContext,
     side: &Side,
     route: &Route,
     log: &mut Throttle,
 ) -> Option<OwnedSemaphorePermit> {
-    if let Ok(permit) = shared.limit.clone().try_acquire_owned() {
+    if let Ok(permit) = proxy.limit.clone().try_acquire_owned() {
         return Some(permit);
     }
-    shared.metrics.limit_reached();
+    proxy.metrics.limit_reached();
     if let Some(suppressed) = log.due() {
         warn!(
             listen = %route.listen,
-            open = shared.conns.len(),
+            open = proxy.conns.len(),
             suppressed,
             "at the connection limit set by the file-descriptor limit; new connections wait in the listen queue"
         );
@@ -100,18 +99,18 @@ async fn room_for_one_more(
         // The shutdown sequence closed this side's listeners.
         _ = side.stop_accepting() => None,
         // A connection closed and gave its permit back.
-        permit = shared.limit.clone().acquire_owned() => permit.ok(),
+        permit = proxy.limit.clone().acquire_owned() => permit.ok(),
     }
 }
 
 /// Accepts every connection already in the kernel's queue, then closes the listener.
 fn accept_queued(
     listener: TcpListener,
-    handle: &Arc<ProxyRoute>,
-    shared: &Arc<ProxyContext>,
+    proxy_route: &Arc<ProxyRoute>,
+    proxy: &Arc<ProxyContext>,
     side: &Side,
 ) {
-    let route = &handle.route;
+    let route = &proxy_route.route;
     let listener = match listener.into_std() {
         Ok(listener) => listener,
         Err(error) => {
@@ -136,8 +135,8 @@ fn accept_queued(
                     Ok(stream) => {
                         queued += 1;
                         // Over the limit if need be: these clients were already accepted by the kernel.
-                        let permit = shared.limit.clone().try_acquire_owned().ok();
-                        spawn_connection(stream, peer, handle, shared, side, permit);
+                        let permit = proxy.limit.clone().try_acquire_owned().ok();
+                        spawn_connection(stream, peer, proxy_route, proxy, side, permit);
                     }
                     Err(error) => debug!(%error, %peer, "could not register a queued connection"),
                 }
@@ -160,22 +159,22 @@ fn accept_queued(
 fn spawn_connection(
     stream: TcpStream,
     peer: SocketAddr,
-    handle: &Arc<ProxyRoute>,
-    shared: &Arc<ProxyContext>,
+    proxy_route: &Arc<ProxyRoute>,
+    proxy: &Arc<ProxyContext>,
     side: &Side,
     permit: Option<OwnedSemaphorePermit>,
 ) {
-    let route = &handle.route;
+    let route = &proxy_route.route;
     let protocol = match route.protocol {
         Protocol::Tcp => ConnProtocol::Tcp,
         Protocol::Auto | Protocol::Http => ConnProtocol::Detecting,
     };
-    let registration = shared.conns.register(route.clone(), peer, protocol, permit);
+    let registration = proxy.conns.register(route.clone(), peer, protocol, permit);
     let tokens = side.conn_tokens();
     let span = tracing::debug_span!("conn", id = registration.conn().id, direction = %route.direction, %peer, target = %route.target);
-    let handle = handle.clone();
-    let shared = shared.clone();
-    side.spawn(serve(stream, registration, tokens, handle, shared).instrument(span));
+    let proxy_route = proxy_route.clone();
+    let proxy = proxy.clone();
+    side.spawn(serve(stream, registration, tokens, proxy_route, proxy).instrument(span));
 }
 
 /// Serves one connection by its route's protocol, detecting it on `auto` and `http` routes.
@@ -183,20 +182,20 @@ async fn serve(
     stream: TcpStream,
     registration: Registration,
     tokens: ConnTokens,
-    handle: Arc<ProxyRoute>,
-    shared: Arc<ProxyContext>,
+    proxy_route: Arc<ProxyRoute>,
+    proxy: Arc<ProxyContext>,
 ) {
-    let protocol = handle.route.protocol;
+    let protocol = proxy_route.route.protocol;
     // The protocol's own future is boxed once it is known, so that a connection holds only
     // the state of the protocol it speaks (the task is sized for its largest variant).
     if protocol == Protocol::Tcp {
-        return Box::pin(tcp::forward(stream, registration, tokens, &shared)).await;
+        return Box::pin(tcp::forward(stream, registration, tokens, &proxy)).await;
     }
     // An `http` route waits for the first bytes only as long as for a request's headers.
     let http_only = protocol == Protocol::Http;
     let wait = match http_only {
-        true => shared.http.header_read_timeout,
-        false => shared.http.detect_timeout,
+        true => proxy.http.header_read_timeout,
+        false => proxy.http.detect_timeout,
     };
     let detected = tokio::select! {
         // The grace period ran out while the client was silent.
@@ -209,7 +208,7 @@ async fn serve(
         Detected::Http2 => HttpVersion::Http2,
         // Not HTTP, or a server-speaks-first protocol: opaque TCP.
         Detected::Tcp | Detected::Silent if !http_only => {
-            return Box::pin(tcp::forward(stream, registration, tokens, &shared)).await;
+            return Box::pin(tcp::forward(stream, registration, tokens, &proxy)).await;
         }
         Detected::Tcp | Detected::Silent | Detected::Closed => {
             debug!(?detected, "closing a connection that sent no request");
@@ -221,8 +220,8 @@ async fn serve(
         version,
         registration,
         tokens,
-        handle,
-        shared,
+        proxy_route,
+        proxy,
     ))
     .await;
 }

@@ -25,11 +25,11 @@ pub async fn forward(
     client: TcpStream,
     registration: Registration,
     tokens: ConnTokens,
-    shared: &ProxyContext,
+    proxy: &ProxyContext,
 ) {
     let conn = registration.conn();
     conn.set_protocol(ConnProtocol::Tcp);
-    shared
+    proxy
         .metrics
         .connection_opened(conn.direction(), ConnProtocol::Tcp);
     let _ = client.set_nodelay(true);
@@ -39,12 +39,12 @@ pub async fn forward(
             reset(&client);
             return;
         }
-        connected = connect(&conn.route.target, shared.connect_timeout) => connected,
+        connected = connect(&conn.route.target, proxy.connect_timeout) => connected,
     };
     let target = match target {
         Ok(target) => target,
         Err((failure, error)) => {
-            shared.metrics.connect_failed(conn.direction(), failure);
+            proxy.metrics.connect_failed(conn.direction(), failure);
             warn!(target = %conn.route.target, %error, "connecting to the target failed; resetting the client connection");
             reset(&client);
             return;
@@ -57,7 +57,7 @@ pub async fn forward(
     conn.set_state(ConnState::Open);
     debug!("forwarding");
 
-    pipe(client, target, conn, &tokens.terminate, shared).await;
+    pipe(client, target, conn, &tokens.terminate, proxy).await;
 }
 
 /// Copies between a client and a target until both finish, one fails (both are reset), a
@@ -69,7 +69,7 @@ pub async fn pipe(
     target: TcpStream,
     conn: &Arc<Connection>,
     terminate: &Watch,
-    shared: &ProxyContext,
+    proxy: &ProxyContext,
 ) {
     let upstream = copy_one_way(&client, &target, &conn.bytes_from_peer, || {
         conn.set_state(ConnState::PeerClosed)
@@ -82,7 +82,7 @@ pub async fn pipe(
     let from_peer = || conn.bytes_from_peer.load(Ordering::Relaxed);
     let to_peer = || conn.bytes_to_peer.load(Ordering::Relaxed);
     let moved = || from_peer() + to_peer();
-    let mut idle = shared
+    let mut idle = proxy
         .tcp
         .idle_timeout
         .map(|limit| Quiet::new(limit, moved()));
@@ -98,7 +98,7 @@ pub async fn pipe(
                 Ok(()) if downstream_done => break Ok(()),
                 Ok(()) => {
                     upstream_done = true;
-                    half_closed = shared.tcp.half_close_timeout
+                    half_closed = proxy.tcp.half_close_timeout
                         .map(|limit| (Quiet::new(limit, to_peer()), &conn.bytes_to_peer));
                 }
             },
@@ -108,7 +108,7 @@ pub async fn pipe(
                 Ok(()) if upstream_done => break Ok(()),
                 Ok(()) => {
                     downstream_done = true;
-                    half_closed = shared.tcp.half_close_timeout
+                    half_closed = proxy.tcp.half_close_timeout
                         .map(|limit| (Quiet::new(limit, from_peer()), &conn.bytes_from_peer));
                 }
             },
@@ -117,14 +117,14 @@ pub async fn pipe(
                 let (quiet, counter) = half_closed.as_mut().expect("guarded");
                 quiet.expired(|| counter.load(Ordering::Relaxed), || false).await;
             }, if half_closed.is_some() => {
-                shared.metrics.timed_out(Timeout::TcpHalfClose);
+                proxy.metrics.timed_out(Timeout::TcpHalfClose);
                 break Err(io::Error::new(io::ErrorKind::TimedOut, "half-closed, and nothing from the other side"));
             }
             // No byte either way for the bound.
             () = async {
                 idle.as_mut().expect("guarded").expired(moved, || false).await;
             }, if idle.is_some() => {
-                shared.metrics.timed_out(Timeout::TcpIdle);
+                proxy.metrics.timed_out(Timeout::TcpIdle);
                 break Err(io::Error::new(io::ErrorKind::TimedOut, "idle"));
             }
         }

@@ -382,7 +382,7 @@ fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade) {
     let registration = ctx.registration.clone();
     let terminate = ctx.terminate.clone();
     let side = ctx.proxy.drain.side(ctx.conn().direction());
-    let shared = ctx.proxy.clone();
+    let proxy = ctx.proxy.clone();
     let tunnel = async move {
         let (client, target) = match tokio::try_join!(client, target) {
             Ok(pair) => pair,
@@ -412,7 +412,7 @@ fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade) {
                     .fetch_add(client.read_buf.len() as u64, Ordering::Relaxed);
                 conn.bytes_to_peer
                     .fetch_add(target.read_buf.len() as u64, Ordering::Relaxed);
-                tcp::pipe(client_stream, target_stream, conn, &terminate, &shared).await;
+                tcp::pipe(client_stream, target_stream, conn, &terminate, &proxy).await;
             }
             _ => debug!("upgraded connections of unexpected types; closing the tunnel"),
         }
