@@ -22,7 +22,6 @@ use crate::conns::Connections;
 use crate::drain::{Drain, Phase, ShutdownReason, signal_name};
 use crate::metrics::Metrics;
 use crate::net;
-use crate::proxy::Upstream;
 use crate::proxy::{self, ProxyContext, ProxyRoute};
 use crate::quiesce::{self, InboundControl};
 use crate::signals::ShutdownSignals;
@@ -80,34 +79,44 @@ pub struct Bound {
     admin: TcpListener,
     admin_addr: SocketAddr,
     /// Each route with its real listen address, and its listener.
-    listeners: Vec<(Arc<Route>, TcpListener)>,
+    listeners: Vec<Listener>,
     /// The control socket of the inbound quiesce, when configured.
     control: Option<(PathBuf, UnixListener)>,
 }
 
+/// A route's bound listener.
+struct Listener {
+    route: Arc<Route>,
+    v6_only: bool,
+    socket: TcpListener,
+}
+
 /// Binds the admin server and every route. Must run inside a Tokio runtime.
 pub fn build(config: Config) -> Result<Bound, BuildError> {
-    let admin = net::bind(config.admin).map_err(|source| BuildError {
+    let admin = net::bind(config.admin, false).map_err(|source| BuildError {
         what: "admin server".into(),
         at: config.admin.to_string(),
         source,
     })?;
     let admin_addr = admin.local_addr().unwrap_or(config.admin);
     let mut listeners = Vec::with_capacity(config.routes.len());
+    let listens: Vec<SocketAddr> = config.routes.iter().map(|route| route.listen).collect();
     for route in &config.routes {
-        let bound = net::bind(route.listen).map_err(|source| BuildError {
+        let v6_only = net::v6_only(route.listen, &listens);
+        let bound = net::bind(route.listen, v6_only).map_err(|source| BuildError {
             what: format!("{} listener", route.direction),
             at: route.listen.to_string(),
             source,
         })?;
         let listen = bound.local_addr().unwrap_or(route.listen);
-        listeners.push((
-            Arc::new(Route {
+        listeners.push(Listener {
+            route: Arc::new(Route {
                 listen,
                 ..Route::clone(route)
             }),
-            bound,
-        ));
+            v6_only,
+            socket: bound,
+        });
     }
     let control = match &config.drain_socket {
         Some(path) => Some((
@@ -138,7 +147,7 @@ impl Bound {
     pub fn route_addrs(&self) -> Vec<(Direction, SocketAddr)> {
         self.listeners
             .iter()
-            .map(|(route, _)| (route.direction, route.listen))
+            .map(|listener| (listener.route.direction, listener.route.listen))
             .collect()
     }
 
@@ -196,27 +205,32 @@ impl Bound {
             http: config.http.clone(),
             tcp: config.tcp,
             limit: Arc::new(tokio::sync::Semaphore::new(max_connections)),
+            listeners: listeners
+                .iter()
+                .map(|listener| listener.route.listen)
+                .chain([admin_addr])
+                .collect(),
         });
         let mut inbound_routes = Vec::new();
-        for (route, bound) in listeners {
+        for Listener {
+            route,
+            v6_only,
+            socket,
+        } in listeners
+        {
             info!(direction = %route.direction, listen = %route.listen, target = %route.target, protocol = route.protocol.as_str(), "listening");
-            let upstream = Upstream::new(
-                route.target.clone(),
-                route.direction,
+            let served = Arc::new(ProxyRoute::new(
+                route.clone(),
+                v6_only,
                 config.connect_timeout,
                 metrics.clone(),
-            );
-            let served = Arc::new(ProxyRoute {
-                route: route.clone(),
-                upstream,
-                target_name: route.target.to_string(),
-            });
+            ));
             if route.direction == Direction::Inbound {
                 inbound_routes.push(served.clone());
             }
             let side = drain.side(route.direction);
             side.spawn_accept_loop(proxy::accept::accept_loop(
-                bound,
+                socket,
                 served,
                 proxy.clone(),
                 side.clone(),

@@ -212,7 +212,13 @@ impl Protocol {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Target {
     Addr(SocketAddr),
-    Host { host: String, port: u16 },
+    Host {
+        host: String,
+        port: u16,
+    },
+    /// Each connection's own destination before the pod's NAT rules redirected it to the
+    /// proxy (`SO_ORIGINAL_DST`): transparent interception.
+    OrigDst,
 }
 
 impl fmt::Display for Target {
@@ -220,6 +226,7 @@ impl fmt::Display for Target {
         match self {
             Target::Addr(addr) => write!(f, "{addr}"),
             Target::Host { host, port } => write!(f, "{host}:{port}"),
+            Target::OrigDst => f.write_str(ORIG_DST),
         }
     }
 }
@@ -772,7 +779,14 @@ fn parse_route(
     })
 }
 
+/// The target of a route that forwards each connection where it was going before the NAT
+/// rules redirected it.
+pub const ORIG_DST: &str = "orig-dst";
+
 fn parse_target(target: &str) -> Result<Target, &'static str> {
+    if target == ORIG_DST {
+        return Ok(Target::OrigDst);
+    }
     if let Ok(addr) = target.parse::<SocketAddr>() {
         if addr.port() == 0 {
             return Err("needs a port other than 0");
@@ -780,7 +794,7 @@ fn parse_target(target: &str) -> Result<Target, &'static str> {
         return Ok(Target::Addr(addr));
     }
     let Some((host, port)) = target.rsplit_once(':') else {
-        return Err("is not IP:PORT or HOST:PORT");
+        return Err("is not IP:PORT, HOST:PORT or orig-dst");
     };
     let port: u16 = match port.parse() {
         Ok(port) if port != 0 => port,
@@ -792,7 +806,7 @@ fn parse_target(target: &str) -> Result<Target, &'static str> {
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'));
     if !valid_host {
-        return Err("is not IP:PORT or HOST:PORT");
+        return Err("is not IP:PORT, HOST:PORT or orig-dst");
     }
     Ok(Target::Host {
         host: host.to_string(),
@@ -985,6 +999,36 @@ mod tests {
         );
         assert_eq!(config.routes[1].direction, Direction::Outbound);
         assert_eq!(config.routes[1].protocol, Protocol::Tcp);
+    }
+
+    #[test]
+    fn orig_dst_routes_and_both_families_on_one_port() {
+        let parsed = config(
+            ProxyArgs {
+                inbound: vec![
+                    "0.0.0.0:4143=orig-dst".into(),
+                    "[::]:4143=orig-dst/http".into(),
+                ],
+                outbound: vec!["127.0.0.1:4140=orig-dst/tcp".into()],
+                ..Default::default()
+            },
+            &[],
+        )
+        .unwrap();
+        assert!(
+            parsed
+                .routes
+                .iter()
+                .all(|route| route.target == Target::OrigDst)
+        );
+        assert_eq!(parsed.routes[1].protocol, Protocol::Http);
+        assert_eq!(parsed.routes[0].target.to_string(), "orig-dst");
+        let error = config(
+            ProxyArgs::default(),
+            &[("LAMEDUCK_INBOUND", "0.0.0.0:4143=orig_dst")],
+        )
+        .unwrap_err();
+        assert!(error.to_string().contains("orig-dst"), "{error}");
     }
 
     #[test]

@@ -80,6 +80,7 @@ pub struct Metrics {
     connections: Family<Labels, Counter>,
     connect_failures: Family<Labels, Counter>,
     accept_errors: Family<DirectionLabel, Counter>,
+    refused: Family<Labels, Counter>,
     force_closed: Counter,
     connection_limit: Gauge,
     limit_waits: Counter,
@@ -111,6 +112,12 @@ impl Metrics {
             "accept_errors",
             "Errors accepting connections, by direction",
             accept_errors.clone(),
+        );
+        let refused = Family::<Labels, Counter>::default();
+        registry.register(
+            "connections_refused",
+            "Connections on orig-dst routes refused, by direction and reason: not_redirected (sent to the proxy's port itself), to_proxy (bound for one of the proxy's own listeners)",
+            refused.clone(),
         );
         let force_closed = Counter::default();
         registry.register(
@@ -173,6 +180,7 @@ impl Metrics {
             connections,
             connect_failures,
             accept_errors,
+            refused,
             force_closed,
             connection_limit,
             limit_waits,
@@ -222,6 +230,13 @@ impl Metrics {
     pub fn accept_failed(&self, direction: Direction) {
         self.accept_errors
             .get_or_create(&[("direction", direction.as_str())])
+            .inc();
+    }
+
+    /// A connection on an `orig-dst` route had nowhere to go (`reason`).
+    pub fn connection_refused(&self, direction: Direction, reason: &'static str) {
+        self.refused
+            .get_or_create(&[("direction", direction.as_str()), ("reason", reason)])
             .inc();
     }
 

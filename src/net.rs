@@ -21,14 +21,76 @@ const LISTEN_BACKLOG: i32 = 1024;
 /// At most one log line per this interval about exhausted resources.
 const EXHAUSTION_LOG_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Binds a listening TCP socket on `addr`.
-pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+/// Binds a listening TCP socket on `addr`. With `v6_only` an IPv6 socket takes IPv6 alone, so
+/// that an IPv4 socket can listen on the same port (a dual-stack pod); see [`v6_only`].
+pub fn bind(addr: SocketAddr, v6_only: bool) -> io::Result<TcpListener> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
     socket.set_reuse_address(true)?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(v6_only)?;
+    }
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
     socket.listen(LISTEN_BACKLOG)?;
     TcpListener::from_std(socket.into())
+}
+
+/// Whether the IPv6 listener on `addr` must leave IPv4 to another listener of `all` on the same
+/// port. Otherwise an IPv6 socket on `[::]` takes IPv4 too (Linux's default), as a lone one
+/// should.
+pub fn v6_only(addr: SocketAddr, all: &[SocketAddr]) -> bool {
+    addr.is_ipv6()
+        && all
+            .iter()
+            .any(|other| other.is_ipv4() && other.port() == addr.port())
+}
+
+/// Where a connection was going before the NAT rules redirected it to the proxy
+/// (`SO_ORIGINAL_DST`), or why it has no such destination. A connection that was not redirected
+/// (sent to the proxy's own address) has none either: forwarding it would loop.
+pub fn original_destination(stream: &TcpStream) -> Result<SocketAddr, OrigDstRefusal> {
+    let socket = socket2::SockRef::from(stream);
+    let local = stream
+        .local_addr()
+        .map_err(|_| OrigDstRefusal::NotRedirected)?;
+    let original = match local {
+        SocketAddr::V4(_) => socket.original_dst(),
+        SocketAddr::V6(_) => socket.original_dst_ipv6(),
+    };
+    let original = original
+        .ok()
+        .and_then(|addr| addr.as_socket())
+        .ok_or(OrigDstRefusal::NotRedirected)?;
+    // IPv4 clients of an IPv6 socket come as IPv4-mapped addresses on either side.
+    let canonical = |addr: SocketAddr| SocketAddr::new(addr.ip().to_canonical(), addr.port());
+    if canonical(original) == canonical(local) {
+        return Err(OrigDstRefusal::NotRedirected);
+    }
+    Ok(canonical(original))
+}
+
+/// Whether `ip` is one of this network namespace's own addresses (a socket can be bound to
+/// it). Two system calls: for the rare check of a destination on one of the proxy's ports.
+pub fn is_local_ip(ip: std::net::IpAddr) -> bool {
+    ip.is_loopback() || std::net::UdpSocket::bind((ip, 0)).is_ok()
+}
+
+/// Why a connection on an `orig-dst` route is refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OrigDstRefusal {
+    /// No NAT rule redirected it: it was sent to the proxy's port itself.
+    NotRedirected,
+    /// Its destination is one of the proxy's own listeners: forwarding it would loop.
+    ToProxy,
+}
+
+impl OrigDstRefusal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OrigDstRefusal::NotRedirected => "not_redirected",
+            OrigDstRefusal::ToProxy => "to_proxy",
+        }
+    }
 }
 
 /// Makes the kernel drop new handshakes on `listener` (their clients retry, and meet the closed
@@ -210,6 +272,8 @@ async fn connect_once(target: &Target) -> Result<TcpStream, (ConnectFailure, io:
             .await
             .map_err(|error| (ConnectFailure::Resolve, error))?
             .collect(),
+        // Resolved per connection before connecting; a route's own `orig-dst` is no address.
+        Target::OrigDst => Vec::new(),
     };
     let mut last = io::Error::new(
         io::ErrorKind::NotFound,

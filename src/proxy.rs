@@ -12,25 +12,106 @@ pub(crate) mod http;
 mod quiet;
 mod tcp;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
-use crate::config::{HttpConfig, Route, TcpConfig};
+use crate::config::{HttpConfig, Route, Target, TcpConfig};
 use crate::conns::Connections;
 use crate::drain::Drain;
 use crate::metrics::Metrics;
+use crate::sync::lock;
 
 pub(crate) use http::Upstream;
 
 /// A route and what serving it needs.
 pub struct ProxyRoute {
     pub route: Arc<Route>,
-    /// Pooled clients towards the target, for HTTP.
-    pub upstream: Upstream,
-    /// The target as written in the route, for error responses (formatted once, not per request).
-    pub target_name: String,
+    /// Whether its IPv6 listener leaves IPv4 to another route on the same port
+    /// ([`net::v6_only`](crate::net::v6_only)); kept to bind it again after a quiesce.
+    pub v6_only: bool,
+    upstreams: Upstreams,
+}
+
+/// The pooled clients towards a route's targets, for HTTP.
+enum Upstreams {
+    /// The route's one target.
+    Fixed(Arc<Upstream>),
+    /// One per original destination (an `orig-dst` route), made at its first connection.
+    PerDestination {
+        made: Mutex<HashMap<SocketAddr, Arc<Upstream>>>,
+        connect_timeout: Duration,
+        metrics: Arc<Metrics>,
+    },
+}
+
+/// Destinations whose clients an `orig-dst` route keeps while nothing uses them; beyond it,
+/// those are let go (their idle pooled connections close).
+const KEPT_DESTINATIONS: usize = 1024;
+
+impl ProxyRoute {
+    pub fn new(
+        route: Arc<Route>,
+        v6_only: bool,
+        connect_timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> ProxyRoute {
+        let upstreams = match &route.target {
+            Target::OrigDst => Upstreams::PerDestination {
+                made: Mutex::new(HashMap::new()),
+                connect_timeout,
+                metrics,
+            },
+            target => Upstreams::Fixed(Arc::new(Upstream::new(
+                target.clone(),
+                route.direction,
+                connect_timeout,
+                metrics,
+            ))),
+        };
+        ProxyRoute {
+            route,
+            v6_only,
+            upstreams,
+        }
+    }
+
+    /// The pooled clients towards the route's target, or towards `destination` on an
+    /// `orig-dst` route.
+    pub fn upstream(&self, destination: Option<SocketAddr>) -> Arc<Upstream> {
+        match (&self.upstreams, destination) {
+            (Upstreams::Fixed(upstream), _) => upstream.clone(),
+            (
+                Upstreams::PerDestination {
+                    made,
+                    connect_timeout,
+                    metrics,
+                },
+                Some(destination),
+            ) => {
+                let mut made = lock(made);
+                if made.len() >= KEPT_DESTINATIONS && !made.contains_key(&destination) {
+                    made.retain(|_, upstream| Arc::strong_count(upstream) > 1);
+                }
+                made.entry(destination)
+                    .or_insert_with(|| {
+                        Arc::new(Upstream::new(
+                            Target::Addr(destination),
+                            self.route.direction,
+                            *connect_timeout,
+                            metrics.clone(),
+                        ))
+                    })
+                    .clone()
+            }
+            (Upstreams::PerDestination { .. }, None) => {
+                unreachable!("a connection of an orig-dst route has its destination")
+            }
+        }
+    }
 }
 
 /// Everything a connection task needs, shared by all connections of the process.
@@ -45,4 +126,7 @@ pub struct ProxyContext {
     /// One permit per open proxy connection, sized from the file-descriptor limit; the accept
     /// loops take a permit before accepting, and each connection's registration holds its own.
     pub limit: Arc<Semaphore>,
+    /// Every address the proxy listens on (routes and admin): an `orig-dst` connection bound
+    /// for one of them is refused, not forwarded to the proxy itself.
+    pub listeners: Vec<SocketAddr>,
 }

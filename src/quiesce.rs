@@ -220,7 +220,7 @@ impl InboundControl {
         let mut bound = Vec::with_capacity(self.routes.len());
         for proxy_route in &self.routes {
             let listen = proxy_route.route.listen;
-            let listener = net::bind(listen)
+            let listener = net::bind(listen, proxy_route.v6_only)
                 .map_err(|error| format!("cannot bind the inbound listener {listen}: {error}"))?;
             bound.push((proxy_route.clone(), listener));
         }

@@ -22,11 +22,11 @@ use super::detect::{self, Detected};
 use super::http::{self, HttpVersion};
 use super::tcp;
 use super::{ProxyContext, ProxyRoute};
-use crate::config::{Protocol, Route};
+use crate::config::{Protocol, Route, Target};
 use crate::conns::{ConnProtocol, Registration};
 use crate::drain::{ConnTokens, Side};
 use crate::logging::Throttle;
-use crate::net::{self, AcceptErrors};
+use crate::net::{self, AcceptErrors, OrigDstRefusal};
 
 /// At most one log line per this interval about the connection limit holding clients back.
 const AT_LIMIT_LOG_INTERVAL: Duration = Duration::from_secs(1);
@@ -185,11 +185,40 @@ async fn serve(
     proxy_route: Arc<ProxyRoute>,
     proxy: Arc<ProxyContext>,
 ) {
-    let protocol = proxy_route.route.protocol;
+    let route = &proxy_route.route;
+    let destination = match route.target {
+        Target::OrigDst => match original_destination(&stream, &proxy) {
+            Ok(destination) => {
+                registration.conn().set_target_addr(destination);
+                Some(destination)
+            }
+            Err(refusal) => {
+                proxy
+                    .metrics
+                    .connection_refused(route.direction, refusal.as_str());
+                warn!(
+                    reason = refusal.as_str(),
+                    "refusing a connection on an orig-dst route that has no destination to forward to"
+                );
+                net::reset(&stream);
+                return;
+            }
+        },
+        _ => None,
+    };
+    let resolved;
+    let target = match destination {
+        Some(destination) => {
+            resolved = Target::Addr(destination);
+            &resolved
+        }
+        None => &route.target,
+    };
+    let protocol = route.protocol;
     // The protocol's own future is boxed once it is known, so that a connection holds only
     // the state of the protocol it speaks (the task is sized for its largest variant).
     if protocol == Protocol::Tcp {
-        return Box::pin(tcp::forward(stream, registration, tokens, &proxy)).await;
+        return Box::pin(tcp::forward(stream, registration, tokens, target, &proxy)).await;
     }
     // An `http` route waits for the first bytes only as long as for a request's headers.
     let http_only = protocol == Protocol::Http;
@@ -208,20 +237,39 @@ async fn serve(
         Detected::Http2 => HttpVersion::Http2,
         // Not HTTP, or a server-speaks-first protocol: opaque TCP.
         Detected::Tcp | Detected::Silent if !http_only => {
-            return Box::pin(tcp::forward(stream, registration, tokens, &proxy)).await;
+            return Box::pin(tcp::forward(stream, registration, tokens, target, &proxy)).await;
         }
         Detected::Tcp | Detected::Silent | Detected::Closed => {
             debug!(?detected, "closing a connection that sent no request");
             return;
         }
     };
+    let upstream = proxy_route.upstream(destination);
     Box::pin(http::serve(
         stream,
         version,
         registration,
         tokens,
-        proxy_route,
+        upstream,
         proxy,
     ))
     .await;
+}
+
+/// Where an `orig-dst` connection goes: its destination before the NAT rules redirected it,
+/// unless it has none or it is one of the proxy's own listeners.
+fn original_destination(
+    stream: &TcpStream,
+    proxy: &ProxyContext,
+) -> Result<SocketAddr, OrigDstRefusal> {
+    let destination = net::original_destination(stream)?;
+    let to_proxy = proxy.listeners.iter().any(|listener| {
+        listener.port() == destination.port()
+            && (listener.ip() == destination.ip()
+                || (listener.ip().is_unspecified() && net::is_local_ip(destination.ip())))
+    });
+    match to_proxy {
+        true => Err(OrigDstRefusal::ToProxy),
+        false => Ok(destination),
+    }
 }

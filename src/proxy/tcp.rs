@@ -15,6 +15,7 @@ use tracing::{debug, warn};
 
 use super::ProxyContext;
 use super::quiet::Quiet;
+use crate::config::Target;
 use crate::conns::{ConnProtocol, ConnState, Connection, Registration};
 use crate::drain::{ConnTokens, Watch};
 use crate::metrics::Timeout;
@@ -25,6 +26,7 @@ pub async fn forward(
     client: TcpStream,
     registration: Registration,
     tokens: ConnTokens,
+    target: &Target,
     proxy: &ProxyContext,
 ) {
     let conn = registration.conn();
@@ -33,19 +35,19 @@ pub async fn forward(
         .metrics
         .connection_opened(conn.direction(), ConnProtocol::Tcp);
     let _ = client.set_nodelay(true);
-    let target = tokio::select! {
+    let connected = tokio::select! {
         // The grace period ran out (or a second signal) while connecting.
         _ = tokens.terminate.cancelled() => {
             reset(&client);
             return;
         }
-        connected = connect(&conn.route.target, proxy.connect_timeout) => connected,
+        connected = connect(target, proxy.connect_timeout) => connected,
     };
-    let target = match target {
-        Ok(target) => target,
+    let target = match connected {
+        Ok(stream) => stream,
         Err((failure, error)) => {
             proxy.metrics.connect_failed(conn.direction(), failure);
-            warn!(target = %conn.route.target, %error, "connecting to the target failed; resetting the client connection");
+            warn!(%target, %error, "connecting to the target failed; resetting the client connection");
             reset(&client);
             return;
         }

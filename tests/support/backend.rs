@@ -48,6 +48,11 @@ pub struct Backend {
 
 impl Backend {
     pub fn start() -> Backend {
+        Backend::start_on("127.0.0.1:0".parse().unwrap())
+    }
+
+    /// A backend listening on `listen` (port 0: any).
+    pub fn start_on(listen: SocketAddr) -> Backend {
         let (tx, rx) = std::sync::mpsc::channel();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let recorded = seen.clone();
@@ -58,7 +63,7 @@ impl Backend {
                 .build()
                 .unwrap();
             runtime.block_on(async move {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let listener = tokio::net::TcpListener::bind(listen).await.unwrap();
                 tx.send(listener.local_addr().unwrap()).unwrap();
                 for connection in 0.. {
                     let Ok((stream, _)) = listener.accept().await else {

@@ -1,52 +1,14 @@
 //! Bodies on their way through: streamed from a peer or the proxy's own, bounded when they
-//! stall, and the accounting that ends with them (a request in flight, a pooled connection's
-//! lease, an HTTP/1 request body read to its end).
+//! stall, and the guard that tells an HTTP/1 connection when its request body has ended.
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::{Request, StatusCode};
 use prometheus_client::metrics::counter::Counter;
-
-use super::context::{ConnCtx, HttpVersion};
-use crate::conns::Connection;
-
-/// Counts a request as in flight from its head to the end of its response body.
-pub struct InFlight {
-    conn: Arc<Connection>,
-    started: Instant,
-    duration: prometheus_client::metrics::histogram::Histogram,
-}
-
-impl InFlight {
-    pub(super) fn start(ctx: &ConnCtx) -> InFlight {
-        let conn = ctx.conn().clone();
-        conn.requests_in_flight.fetch_add(1, Ordering::AcqRel);
-        InFlight {
-            duration: ctx.proxy.metrics.request_duration(conn.direction()),
-            conn,
-            started: Instant::now(),
-        }
-    }
-
-    pub(super) fn record_status(&self, ctx: &ConnCtx, status: StatusCode) {
-        ctx.proxy
-            .metrics
-            .request_finished(self.conn.direction(), status.as_u16());
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.conn.requests_in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.duration.observe(self.started.elapsed().as_secs_f64());
-    }
-}
 
 /// A body: one streamed from a peer, or a few bytes of the proxy's own (or none). Request
 /// bodies towards the target (a replay has none) and response bodies are both this.
@@ -124,32 +86,32 @@ impl Stall {
     }
 }
 
+/// What a request body's guard reports to: the connection the body came on.
+pub(super) trait BodyWatcher: Send + Sync {
+    /// The body was read to its end (`true`) or dropped before it.
+    fn body_closed(&self, read_to_end: bool);
+}
+
 /// Tells an HTTP/1 connection when a request body has been read to its end (or dropped before
 /// it), so that the connection is parked only between requests.
 pub struct RequestBodyGuard {
-    ctx: Arc<ConnCtx>,
+    watcher: Arc<dyn BodyWatcher>,
     ended: bool,
 }
 
 impl RequestBodyGuard {
-    pub(super) fn watch(
-        ctx: &Arc<ConnCtx>,
-        request: &Request<Incoming>,
-    ) -> Option<RequestBodyGuard> {
-        if ctx.version != HttpVersion::Http1 || request.body().is_end_stream() {
-            return None;
-        }
-        ctx.body_opened();
-        Some(RequestBodyGuard {
-            ctx: ctx.clone(),
+    /// A guard for a body whose opening `watcher` has been told of.
+    pub(super) fn new(watcher: Arc<dyn BodyWatcher>) -> RequestBodyGuard {
+        RequestBodyGuard {
+            watcher,
             ended: false,
-        })
+        }
     }
 }
 
 impl Drop for RequestBodyGuard {
     fn drop(&mut self) {
-        self.ctx.body_closed(self.ended);
+        self.watcher.body_closed(self.ended);
     }
 }
 

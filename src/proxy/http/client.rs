@@ -38,8 +38,11 @@ const POOL_IDLE_TIMEOUT: Duration = if cfg!(test) {
     Duration::from_secs(90)
 };
 
-/// The pooled connections of one route.
+/// The pooled connections towards one target.
 pub struct Upstream {
+    /// The target as written in the route (or the original destination), for error
+    /// responses: formatted once, not per request.
+    pub name: String,
     pub http1: Arc<Http1Pool>,
     pub http2: Arc<Http2Conn>,
 }
@@ -51,6 +54,7 @@ impl Upstream {
         connect_timeout: Duration,
         metrics: Arc<Metrics>,
     ) -> Upstream {
+        let name = target.to_string();
         let connector = Connector {
             target: Arc::new(target),
             direction,
@@ -69,7 +73,7 @@ impl Upstream {
             idle: Mutex::new(Vec::new()),
             sweeping: AtomicBool::new(false),
         });
-        Upstream { http1, http2 }
+        Upstream { name, http1, http2 }
     }
 }
 

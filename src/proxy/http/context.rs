@@ -7,9 +7,11 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use tokio::sync::Notify;
 
+use super::body::BodyWatcher;
+use super::client::Upstream;
 use crate::conns::{Connection, Registration};
 use crate::drain::{ConnTokens, Watch};
-use crate::proxy::{ProxyContext, ProxyRoute};
+use crate::proxy::ProxyContext;
 
 /// Which HTTP a connection speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,7 +23,8 @@ pub enum HttpVersion {
 /// What the proxy service of one connection needs.
 pub struct ConnCtx {
     pub registration: Arc<Registration>,
-    pub route: Arc<ProxyRoute>,
+    /// The pooled clients towards this connection's target.
+    pub upstream: Arc<Upstream>,
     pub proxy: Arc<ProxyContext>,
     pub version: HttpVersion,
     /// Cancelled when this connection must ask its client to go away.
@@ -44,14 +47,14 @@ pub struct ConnCtx {
 impl ConnCtx {
     pub fn new(
         registration: Registration,
-        route: Arc<ProxyRoute>,
+        upstream: Arc<Upstream>,
         proxy: Arc<ProxyContext>,
         version: HttpVersion,
         tokens: &ConnTokens,
     ) -> ConnCtx {
         ConnCtx {
             registration: Arc::new(registration),
-            route,
+            upstream,
             proxy,
             version,
             go_away: tokens.go_away.clone(),
@@ -80,15 +83,6 @@ impl ConnCtx {
         self.bodies_open.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// A request body is done with: read to its end, or dropped before (then hyper drains or
-    /// closes it by itself, reading between requests, and the connection never parks again).
-    pub fn body_closed(&self, read_to_end: bool) {
-        if !read_to_end {
-            self.never_park();
-        }
-        self.bodies_open.fetch_sub(1, Ordering::AcqRel);
-    }
-
     /// This connection must never be parked (see [`ConnCtx::park_off`]).
     pub fn never_park(&self) {
         self.park_off.store(true, Ordering::Release);
@@ -107,5 +101,16 @@ impl ConnCtx {
     /// Whether responses must ask the client to go away (HTTP/1 `connection: close`).
     pub fn closing(&self) -> bool {
         self.go_away.is_cancelled()
+    }
+}
+
+impl BodyWatcher for ConnCtx {
+    /// A request body is done with: read to its end, or dropped before (then hyper drains or
+    /// closes it by itself, reading between requests, and the connection never parks again).
+    fn body_closed(&self, read_to_end: bool) {
+        if !read_to_end {
+            self.never_park();
+        }
+        self.bodies_open.fetch_sub(1, Ordering::AcqRel);
     }
 }

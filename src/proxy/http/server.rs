@@ -28,6 +28,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 use tracing::{Instrument as _, debug};
 
+use super::client::Upstream;
 use super::context::{ConnCtx, HttpVersion};
 use super::io::ServerIo;
 use super::service;
@@ -35,9 +36,9 @@ use crate::conns::{ConnProtocol, ConnState, Registration};
 use crate::drain::{Cancelled, ConnTokens, Watch};
 use crate::metrics::Timeout;
 use crate::net;
+use crate::proxy::ProxyContext;
 use crate::proxy::quiet::Quiet;
 use crate::proxy::tcp;
-use crate::proxy::{ProxyContext, ProxyRoute};
 
 /// How long a closing connection keeps reading (and discarding) after its FIN.
 const LINGER: Duration = Duration::from_secs(2);
@@ -51,7 +52,7 @@ pub async fn serve(
     version: HttpVersion,
     registration: Registration,
     tokens: ConnTokens,
-    route: Arc<ProxyRoute>,
+    upstream: Arc<Upstream>,
     proxy: Arc<ProxyContext>,
 ) {
     let conn = registration.conn().clone();
@@ -63,7 +64,13 @@ pub async fn serve(
     conn.set_state(ConnState::Open);
     proxy.metrics.connection_opened(conn.direction(), protocol);
 
-    let ctx = Arc::new(ConnCtx::new(registration, route, proxy, version, &tokens));
+    let ctx = Arc::new(ConnCtx::new(
+        registration,
+        upstream,
+        proxy,
+        version,
+        &tokens,
+    ));
     match version {
         HttpVersion::Http1 => serve_http1(stream, ctx, &tokens.listeners_closed).await,
         HttpVersion::Http2 => {

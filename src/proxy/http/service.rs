@@ -14,6 +14,7 @@ use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
+use std::time::Instant;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
@@ -28,16 +29,14 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::{Instrument, debug};
 
-use super::body::{
-    BodyError, BodyStalled, InFlight, Payload, RequestBodyGuard, Stall, reached_end,
-};
+use super::body::{BodyError, BodyStalled, Payload, RequestBodyGuard, Stall, reached_end};
 use super::client::{Lease, SendError, Upstream};
 use super::context::{ConnCtx, HttpVersion};
 use super::headers::{
     absolute_uri, check_framing, is_connect_success, origin_form, strip_hop_by_hop, wants_upgrade,
 };
 use super::io::ServerIo;
-use crate::conns::ConnProtocol;
+use crate::conns::{ConnProtocol, Connection};
 use crate::metrics::Timeout;
 use crate::proxy::tcp;
 
@@ -52,7 +51,7 @@ pub fn handle(
     ctx.request_started();
     let in_flight = InFlight::start(&ctx);
     // Watched from the start: a body dropped unread on any path below is noticed.
-    let body_watch = RequestBodyGuard::watch(&ctx, &request);
+    let body_watch = watch_request_body(&ctx, &request);
     if ctx.version == HttpVersion::Http1
         && (request.headers().contains_key(UPGRADE) || request.method() == Method::CONNECT)
     {
@@ -93,7 +92,7 @@ fn forward(
                 .headers_mut()
                 .insert(CONNECTION, HeaderValue::from_static("close"));
         }
-        let target = &ctx.route.target_name;
+        let target = &ctx.upstream.name;
         let uri = match ctx.version {
             HttpVersion::Http1 => origin_form(&mut request, target),
             HttpVersion::Http2 => absolute_uri(&mut request, target),
@@ -116,7 +115,7 @@ fn forward(
         // One send future, awaited with or without the response timeout: a `Timeout` around it
         // in one branch and the bare future in the other would hold it twice in this future.
         // (The request goes into it directly, not through a local that this future would hold.)
-        let upstream = &ctx.route.upstream;
+        let upstream = &ctx.upstream;
         let mut sent = pin!(send(upstream, ctx.version, request.map(payload)));
         let mut limit = pin!(ctx.proxy.http.response_timeout.map(tokio::time::sleep));
         let responded = std::future::poll_fn(|cx| {
@@ -467,4 +466,46 @@ impl Body for ProxyBody {
     fn size_hint(&self) -> SizeHint {
         self.payload.size_hint()
     }
+}
+
+/// Counts a request as in flight from its head to the end of its response body.
+pub struct InFlight {
+    conn: Arc<Connection>,
+    started: Instant,
+    duration: prometheus_client::metrics::histogram::Histogram,
+}
+
+impl InFlight {
+    fn start(ctx: &ConnCtx) -> InFlight {
+        let conn = ctx.conn().clone();
+        conn.requests_in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight {
+            duration: ctx.proxy.metrics.request_duration(conn.direction()),
+            conn,
+            started: Instant::now(),
+        }
+    }
+
+    fn record_status(&self, ctx: &ConnCtx, status: StatusCode) {
+        ctx.proxy
+            .metrics
+            .request_finished(self.conn.direction(), status.as_u16());
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.conn.requests_in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.duration.observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
+/// A guard that tells an HTTP/1 connection when the request's body has been read to its end;
+/// none for a request without a body, or on HTTP/2 (which never parks).
+fn watch_request_body(ctx: &Arc<ConnCtx>, request: &Request<Incoming>) -> Option<RequestBodyGuard> {
+    if ctx.version != HttpVersion::Http1 || request.body().is_end_stream() {
+        return None;
+    }
+    ctx.body_opened();
+    Some(RequestBodyGuard::new(ctx.clone()))
 }

@@ -1,0 +1,76 @@
+//! Network namespaces of the tests' own (`ip netns`), for what must not touch the machine's:
+//! fixed ports, NAT rules, interfaces.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::process::Command;
+use std::sync::Arc;
+use std::thread;
+
+/// A network namespace of the test's own, deleted on drop.
+pub struct NetNs {
+    name: String,
+    file: File,
+}
+
+impl NetNs {
+    /// None when network namespaces cannot be made here (not root, no iproute2).
+    pub fn new(tag: &str) -> Option<NetNs> {
+        let name = format!("lameduck-{tag}-{}", std::process::id());
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        let made = Command::new("ip")
+            .args(["netns", "add", &name])
+            .output()
+            .ok()?;
+        if !made.status.success() {
+            return None;
+        }
+        let up = Command::new("ip")
+            .args(["-n", &name, "link", "set", "lo", "up"])
+            .status()
+            .ok()?;
+        let file = File::open(format!("/var/run/netns/{name}")).ok()?;
+        let netns = NetNs { name, file };
+        up.success().then_some(netns)
+    }
+
+    /// The namespace's descriptor, for `setns` in a child before it runs a program.
+    pub fn raw_fd(&self) -> std::os::fd::RawFd {
+        self.file.as_raw_fd()
+    }
+
+    /// Moves the calling thread into the namespace (threads it spawns follow it).
+    pub fn enter(&self) {
+        // SAFETY: setns(2) on a descriptor we own; it changes only this thread.
+        let rc = unsafe { libc::setns(self.file.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
+    }
+
+    /// Runs `work` on a thread inside the namespace.
+    pub fn spawn<T: Send + 'static>(
+        self: &Arc<Self>,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> thread::JoinHandle<T> {
+        let netns = self.clone();
+        thread::spawn(move || {
+            netns.enter();
+            work()
+        })
+    }
+
+    /// Runs `work` inside the namespace and returns what it returns.
+    pub fn run<T: Send + 'static>(
+        self: &Arc<Self>,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> T {
+        self.spawn(work).join().unwrap()
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
+    }
+}
