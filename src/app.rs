@@ -210,6 +210,7 @@ impl Bound {
                 .map(|listener| listener.route.listen)
                 .chain([admin_addr])
                 .collect(),
+            own_ports: Arc::default(),
         });
         let mut inbound_routes = Vec::new();
         for Listener {
@@ -223,7 +224,7 @@ impl Bound {
                 route.clone(),
                 v6_only,
                 config.connect_timeout,
-                metrics.clone(),
+                &proxy,
             ));
             if route.direction == Direction::Inbound {
                 inbound_routes.push(served.clone());

@@ -3,9 +3,11 @@
 //! - [`r#await`]: `lameduck await`, an app (a Job's) run under the proxy's lifecycle;
 //! - [`hook`]: `lameduck prestop` / `poststart`, the app containers' Kubernetes hooks;
 //! - [`inject`]: `lameduck inject`, the proxy added to Kubernetes workloads;
+//! - [`iptables`]: `lameduck iptables`, the NAT rules of an intercepted pod (its init container);
 //! - [`status`]: `lameduck status`, the proxy's state for people.
 
 pub mod r#await;
 pub mod hook;
 pub mod inject;
+pub mod iptables;
 pub mod status;

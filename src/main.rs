@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 use lameduck::commands::r#await::{self, AwaitArgs};
 use lameduck::commands::hook::{self, HoldArgs, PostStartArgs, PreStopArgs};
 use lameduck::commands::inject;
+use lameduck::commands::iptables::{self, IptablesArgs};
 use lameduck::commands::status::{self, StatusArgs};
 use lameduck::config::{Config, ProxyArgs, process_env};
 use lameduck::signals::ShutdownSignals;
@@ -41,6 +42,8 @@ enum Command {
     Poststart(PostStartArgs),
     /// What the proxy is doing, for people: phase, grace left, connections, what holds a drain up
     Status(StatusArgs),
+    /// Install the NAT rules that send a pod's TCP to the proxy (the init container's command)
+    Iptables(IptablesArgs),
     /// Hold a connection to the proxy while this container lives (started by `poststart --hold`)
     #[command(hide = true)]
     Hold(HoldArgs),
@@ -80,7 +83,14 @@ fn main() {
     if tool.is_some_and(|arg| {
         matches!(
             arg,
-            "await" | "inject" | "copy-binary" | "prestop" | "poststart" | "status" | "hold"
+            "await"
+                | "inject"
+                | "copy-binary"
+                | "prestop"
+                | "poststart"
+                | "status"
+                | "hold"
+                | "iptables"
         )
     }) {
         std::process::exit(run_tool());
@@ -121,6 +131,7 @@ fn main() {
             | Command::Prestop(_)
             | Command::Poststart(_)
             | Command::Status(_)
+            | Command::Iptables(_)
             | Command::Hold(_),
         ) => {
             unreachable!("dispatched before the proxy's signal handlers")
@@ -160,6 +171,7 @@ fn run_tool() -> i32 {
         Some(Command::Poststart(args)) => hook::poststart(args),
         Some(Command::Status(args)) => status::run(args, process_env),
         Some(Command::Hold(args)) => hook::hold(args),
+        Some(Command::Iptables(args)) => iptables::run(args),
         _ => unreachable!("the first argument names a tool command"),
     }
 }

@@ -6,6 +6,8 @@
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, RawFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use socket2::{Domain, Socket, Type};
@@ -82,6 +84,9 @@ pub enum OrigDstRefusal {
     NotRedirected,
     /// Its destination is one of the proxy's own listeners: forwarding it would loop.
     ToProxy,
+    /// It is one of the proxy's own connections, sent back by NAT rules that do not exempt
+    /// the proxy: forwarding it would loop.
+    Loop,
 }
 
 impl OrigDstRefusal {
@@ -89,6 +94,7 @@ impl OrigDstRefusal {
         match self {
             OrigDstRefusal::NotRedirected => "not_redirected",
             OrigDstRefusal::ToProxy => "to_proxy",
+            OrigDstRefusal::Loop => "loop",
         }
     }
 }
@@ -233,14 +239,18 @@ impl AcceptErrors {
 /// Connects to `target`, resolving a host name now, within `timeout`. When the process is out
 /// of file descriptors or memory, connecting is retried with back-off until the timeout: the
 /// client keeps its place instead of being reset for the proxy's own shortage.
+///
+/// With `own`, the connection's local port is chosen before connecting and recorded there for
+/// as long as the returned [`OwnPort`] lives (see [`OwnPorts`]).
 pub(crate) async fn connect(
     target: &Target,
     timeout: Duration,
-) -> Result<TcpStream, (ConnectFailure, io::Error)> {
+    own: Option<&Arc<OwnPorts>>,
+) -> Result<(TcpStream, Option<OwnPort>), (ConnectFailure, io::Error)> {
     let attempt = async {
         let mut backoff = Backoff::default();
         loop {
-            match connect_once(target).await {
+            match connect_once(target, own).await {
                 Err((_, error)) if is_resource_exhaustion(&error) => {
                     debug!(%error, "no resources to connect to the target yet; retrying");
                     backoff.wait().await;
@@ -265,7 +275,10 @@ pub(crate) async fn connect(
 }
 
 /// One try at every address `target` resolves to.
-async fn connect_once(target: &Target) -> Result<TcpStream, (ConnectFailure, io::Error)> {
+async fn connect_once(
+    target: &Target,
+    own: Option<&Arc<OwnPorts>>,
+) -> Result<(TcpStream, Option<OwnPort>), (ConnectFailure, io::Error)> {
     let addrs: Vec<SocketAddr> = match target {
         Target::Addr(addr) => vec![*addr],
         Target::Host { host, port } => tokio::net::lookup_host((host.as_str(), *port))
@@ -280,8 +293,12 @@ async fn connect_once(target: &Target) -> Result<TcpStream, (ConnectFailure, io:
         format!("{target} resolved to no address"),
     );
     for addr in addrs {
-        match TcpStream::connect(addr).await {
-            Ok(stream) => return Ok(stream),
+        let connected = match own {
+            None => TcpStream::connect(addr).await.map(|stream| (stream, None)),
+            Some(own) => connect_from_own_port(addr, own).await,
+        };
+        match connected {
+            Ok(connected) => return Ok(connected),
             Err(error) => last = error,
         }
     }
@@ -291,6 +308,79 @@ async fn connect_once(target: &Target) -> Result<TcpStream, (ConnectFailure, io:
         _ => ConnectFailure::Other,
     };
     Err((failure, last))
+}
+
+/// Binds a port, records it, then connects from it: the record is there before the first SYN
+/// leaves, so that a redirect straight back to the proxy finds it.
+async fn connect_from_own_port(
+    addr: SocketAddr,
+    own: &Arc<OwnPorts>,
+) -> io::Result<(TcpStream, Option<OwnPort>)> {
+    let (socket, any) = match addr {
+        SocketAddr::V4(_) => (
+            tokio::net::TcpSocket::new_v4()?,
+            SocketAddr::from(([0, 0, 0, 0], 0)),
+        ),
+        SocketAddr::V6(_) => (
+            tokio::net::TcpSocket::new_v6()?,
+            SocketAddr::from(([0u16; 8], 0)),
+        ),
+    };
+    socket.bind(any)?;
+    let port = OwnPorts::record(own, socket.local_addr()?.port());
+    let stream = socket.connect(addr).await?;
+    Ok((stream, Some(port)))
+}
+
+/// The local ports of the proxy's own connections to original destinations, while they live.
+///
+/// NAT rules that do not exempt the proxy's own connections send each of them back to the
+/// proxy, which would forward it again, and again: a connection storm. Such a connection comes
+/// from one of these ports, on one of the pod's addresses, and is refused instead. A count per
+/// port (64 KiB in all): an IPv4 and an IPv6 connection may share a port number.
+pub struct OwnPorts {
+    counts: Box<[AtomicU8]>,
+}
+
+impl std::fmt::Debug for OwnPorts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OwnPorts")
+    }
+}
+
+impl Default for OwnPorts {
+    fn default() -> Self {
+        OwnPorts {
+            counts: (0..=u16::MAX).map(|_| AtomicU8::new(0)).collect(),
+        }
+    }
+}
+
+impl OwnPorts {
+    fn record(own: &Arc<OwnPorts>, port: u16) -> OwnPort {
+        own.counts[usize::from(port)].fetch_add(1, Ordering::AcqRel);
+        OwnPort {
+            own: own.clone(),
+            port,
+        }
+    }
+
+    /// Whether one of the proxy's own connections to an original destination uses `port`.
+    pub fn contains(&self, port: u16) -> bool {
+        self.counts[usize::from(port)].load(Ordering::Acquire) > 0
+    }
+}
+
+/// A port in [`OwnPorts`], until dropped with its connection.
+pub struct OwnPort {
+    own: Arc<OwnPorts>,
+    port: u16,
+}
+
+impl Drop for OwnPort {
+    fn drop(&mut self) {
+        self.own.counts[usize::from(self.port)].fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Why connecting to a target failed.

@@ -23,6 +23,7 @@ use crate::config::{HttpConfig, Route, Target, TcpConfig};
 use crate::conns::Connections;
 use crate::drain::Drain;
 use crate::metrics::Metrics;
+use crate::net::OwnPorts;
 use crate::sync::lock;
 
 pub(crate) use http::Upstream;
@@ -45,6 +46,7 @@ enum Upstreams {
         made: Mutex<HashMap<SocketAddr, Arc<Upstream>>>,
         connect_timeout: Duration,
         metrics: Arc<Metrics>,
+        own_ports: Arc<OwnPorts>,
     },
 }
 
@@ -57,19 +59,22 @@ impl ProxyRoute {
         route: Arc<Route>,
         v6_only: bool,
         connect_timeout: Duration,
-        metrics: Arc<Metrics>,
+        proxy: &ProxyContext,
     ) -> ProxyRoute {
+        let metrics = proxy.metrics.clone();
         let upstreams = match &route.target {
             Target::OrigDst => Upstreams::PerDestination {
                 made: Mutex::new(HashMap::new()),
                 connect_timeout,
                 metrics,
+                own_ports: proxy.own_ports.clone(),
             },
             target => Upstreams::Fixed(Arc::new(Upstream::new(
                 target.clone(),
                 route.direction,
                 connect_timeout,
                 metrics,
+                None,
             ))),
         };
         ProxyRoute {
@@ -89,6 +94,7 @@ impl ProxyRoute {
                     made,
                     connect_timeout,
                     metrics,
+                    own_ports,
                 },
                 Some(destination),
             ) => {
@@ -103,6 +109,7 @@ impl ProxyRoute {
                             self.route.direction,
                             *connect_timeout,
                             metrics.clone(),
+                            Some(own_ports.clone()),
                         ))
                     })
                     .clone()
@@ -129,4 +136,7 @@ pub struct ProxyContext {
     /// Every address the proxy listens on (routes and admin): an `orig-dst` connection bound
     /// for one of them is refused, not forwarded to the proxy itself.
     pub listeners: Vec<SocketAddr>,
+    /// The local ports of the proxy's own connections to original destinations: one that
+    /// comes back to the proxy is refused, not forwarded again.
+    pub own_ports: Arc<OwnPorts>,
 }

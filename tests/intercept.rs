@@ -203,3 +203,339 @@ fn connections_with_nowhere_to_go_are_refused_and_counted() {
         },
     );
 }
+
+/// Runs `lameduck iptables ARGS` in the current thread's network namespace; returns its
+/// status, standard output and standard error.
+fn lameduck_iptables(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(BIN)
+        .arg("iptables")
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The NAT rules of both families as `iptables-save` lists them (without its comments).
+fn nat_rules() -> String {
+    let mut rules = String::new();
+    for save in ["iptables-nft-save", "ip6tables-nft-save"] {
+        let out = Command::new(save).args(["-t", "nat"]).output().unwrap();
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            if !line.starts_with('#') {
+                rules.push_str(line);
+                rules.push('\n');
+            }
+        }
+    }
+    rules
+}
+
+/// The pod and its peer: a veth pair between two namespaces, each end with an IPv4 and an IPv6
+/// address. The peer end has a second IPv4 address, for a skipped CIDR.
+fn link(pod: &str, peer: &str, tag: char) {
+    // Interface names have 15 bytes at most; tests run in parallel.
+    let id = std::process::id() % 100_000;
+    let (pod_end, peer_end) = (format!("ld{tag}p{id}"), format!("ld{tag}q{id}"));
+    run(
+        "ip",
+        &[
+            "link", "add", &pod_end, "type", "veth", "peer", "name", &peer_end,
+        ],
+    );
+    run("ip", &["link", "set", &pod_end, "netns", pod]);
+    run("ip", &["link", "set", &peer_end, "netns", peer]);
+    for (ns, end, v4, v6) in [
+        (pod, &pod_end, "10.78.0.2/24", "fd78::2/64"),
+        (peer, &peer_end, "10.78.0.1/24", "fd78::1/64"),
+    ] {
+        run("ip", &["-n", ns, "addr", "add", v4, "dev", end]);
+        run(
+            "ip",
+            &["-n", ns, "-6", "addr", "add", v6, "dev", end, "nodad"],
+        );
+        run("ip", &["-n", ns, "link", "set", end, "up"]);
+    }
+    run(
+        "ip",
+        &["-n", peer, "addr", "add", "10.78.0.3/24", "dev", &peer_end],
+    );
+}
+
+/// A pod's namespace and its peer's, linked.
+fn pod_and_peer(tag: char) -> Option<(Arc<NetNs>, Arc<NetNs>)> {
+    let pod = Arc::new(NetNs::new(&format!("{tag}-pod"))?);
+    let peer = Arc::new(NetNs::new(&format!("{tag}-peer"))?);
+    link(pod.name(), peer.name(), tag);
+    Some((pod, peer))
+}
+
+/// The proxy of an intercepted pod, in `pod`, under [`PROXY_UID`].
+fn start_pod_proxy(pod: &Arc<NetNs>) -> Arc<Proxy> {
+    let mut setpriv = Command::new("setpriv");
+    setpriv.args([
+        &format!("--reuid={PROXY_UID}"),
+        &format!("--regid={PROXY_UID}"),
+        "--clear-groups",
+        BIN,
+    ]);
+    let proxy = pod.run(move || {
+        Proxy::start_command(
+            &mut setpriv,
+            &[
+                "--inbound",
+                "0.0.0.0:4143=orig-dst",
+                "--inbound",
+                "[::]:4143=orig-dst",
+                "--outbound",
+                "0.0.0.0:4140=orig-dst",
+                "--outbound",
+                "[::]:4140=orig-dst",
+                "--admin=[::]:4191",
+            ],
+        )
+    });
+    Arc::new(proxy)
+}
+
+/// Waits (boundedly) until `addr` accepts connections (a fresh veth takes a moment).
+fn reachable(addr: SocketAddr) {
+    support::wait_until(&format!("{addr} reachable"), support::PATIENCE, || {
+        TcpStream::connect_timeout(&addr, std::time::Duration::from_millis(200)).is_ok()
+    });
+}
+
+fn get_status(addr: SocketAddr, path: &str) -> u16 {
+    let mut client = send_raw(addr, &get(path));
+    read_response(&mut client).unwrap().status
+}
+
+#[test]
+fn lameduck_iptables_sends_the_pods_traffic_through_the_proxy_and_skips_what_it_is_told() {
+    let test =
+        "lameduck_iptables_sends_the_pods_traffic_through_the_proxy_and_skips_what_it_is_told";
+    if let Some(why) = unsupported() {
+        return support::skip(test, why);
+    }
+    let Some((pod, peer)) = pod_and_peer('i') else {
+        return support::skip(
+            test,
+            "cannot make a network namespace (needs root and ip(8))",
+        );
+    };
+    // The peer: a server on every address, and one on a port the pod skips.
+    let (server, skipped) = peer.run(|| {
+        let any: SocketAddr = "[::]:0".parse().unwrap();
+        (Backend::start_on(any), Backend::start_on(any))
+    });
+    let (server_port, skipped_port) = (server.addr.port(), skipped.addr.port());
+    let peer_v4: IpAddr = "10.78.0.1".parse().unwrap();
+    let peer_v6: IpAddr = "fd78::1".parse().unwrap();
+    let pod_v4: IpAddr = "10.78.0.2".parse().unwrap();
+    let pod_v6: IpAddr = "fd78::2".parse().unwrap();
+
+    let app_port = pod.run(move || {
+        let (status, _, stderr) = lameduck_iptables(&[
+            "--proxy-uid",
+            PROXY_UID,
+            "--skip-outbound-ports",
+            &skipped_port.to_string(),
+            "--skip-outbound-cidrs",
+            "10.78.0.3/32,fd78::3",
+        ]);
+        assert_eq!(status, Some(0), "{stderr}");
+        let installed = nat_rules();
+        // Twice changes nothing.
+        let (status, _, stderr) = lameduck_iptables(&[
+            "--proxy-uid",
+            PROXY_UID,
+            "--skip-outbound-ports",
+            &skipped_port.to_string(),
+            "--skip-outbound-cidrs",
+            "10.78.0.3/32,fd78::3",
+        ]);
+        assert_eq!(status, Some(0), "{stderr}");
+        assert_eq!(nat_rules(), installed);
+        assert!(installed.contains("LAMEDUCK_OUTPUT"), "{installed}");
+        let app = Backend::start_on("[::]:0".parse().unwrap());
+        let port = app.addr.port();
+        std::mem::forget(app);
+        port
+    });
+    let proxy = start_pod_proxy(&pod);
+    let count = {
+        let (pod, proxy) = (pod.clone(), proxy.clone());
+        move |direction: &'static str| {
+            let proxy = proxy.clone();
+            pod.run(move || {
+                proxy.metric(&format!(
+                    "lameduck_connections_total{{direction=\"{direction}\",protocol=\"http1\"}}"
+                ))
+            })
+        }
+    };
+
+    // Inbound, from the peer: the app's port goes through the proxy, the admin port does not.
+    peer.run(move || {
+        reachable(SocketAddr::new(pod_v4, 4191));
+        for pod_ip in [pod_v4, pod_v6] {
+            assert_eq!(get_status(SocketAddr::new(pod_ip, app_port), "/in"), 200);
+            let ready = support::http(SocketAddr::new(pod_ip, 4191), "GET", "/ready", &[]);
+            assert_eq!(ready.status, 200, "{pod_ip}");
+        }
+    });
+    assert_eq!(count("inbound"), 2.0);
+
+    // Outbound, from the app: through the proxy, whose own connection is not redirected again;
+    // skipped ports and CIDRs go straight out.
+    pod.run(move || {
+        for peer_ip in [peer_v4, peer_v6] {
+            assert_eq!(
+                get_status(SocketAddr::new(peer_ip, server_port), "/out"),
+                200
+            );
+        }
+    });
+    assert_eq!(count("outbound"), 2.0);
+    assert_eq!(server.seen_paths(), ["/out", "/out"]);
+    pod.run(move || {
+        assert_eq!(
+            get_status(SocketAddr::new(peer_v4, skipped_port), "/skipped-port"),
+            200
+        );
+        let skipped_cidr: IpAddr = "10.78.0.3".parse().unwrap();
+        assert_eq!(
+            get_status(SocketAddr::new(skipped_cidr, server_port), "/skipped-cidr"),
+            200
+        );
+    });
+    assert_eq!(
+        count("outbound"),
+        2.0,
+        "skipped traffic went through the proxy"
+    );
+    assert_eq!(server.seen_paths(), ["/out", "/out", "/skipped-cidr"]);
+    assert_eq!(skipped.seen_paths(), ["/skipped-port"]);
+}
+
+/// The rules of each option set, as `--dry-run` prints them, against the golden files in
+/// `tests/iptables/` (the files are the review copy of what a pod gets).
+#[test]
+fn lameduck_iptables_dry_run_prints_the_rules_of_each_option_set() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/iptables");
+    for (golden, args) in [
+        ("default.rules", vec![]),
+        (
+            "skips.rules",
+            vec![
+                "--skip-inbound-ports",
+                "22,4191,9090",
+                "--skip-outbound-ports",
+                "25,443,3306,5432,6379,8080,8081,8082,8083,8084,8085,8086,8087,8088,8089,8090",
+                "--skip-outbound-cidrs",
+                "10.0.0.0/8,169.254.169.254,fd00::/8",
+            ],
+        ),
+        (
+            "ports.rules",
+            vec![
+                "--inbound-port",
+                "15006",
+                "--outbound-port",
+                "15001",
+                "--admin-port",
+                "15021",
+                "--proxy-uid",
+                "1337",
+                "--backend",
+                "legacy",
+            ],
+        ),
+    ] {
+        let mut all = vec!["--dry-run"];
+        all.extend(args);
+        let (status, rules, stderr) = lameduck_iptables(&all);
+        assert_eq!(status, Some(0), "{golden}: {stderr}");
+        let path = dir.join(golden);
+        if std::env::var_os("LAMEDUCK_UPDATE_GOLDEN").is_some() {
+            std::fs::write(&path, &rules).unwrap();
+        }
+        let expected = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            rules, expected,
+            "{golden} (LAMEDUCK_UPDATE_GOLDEN=1 rewrites it)"
+        );
+    }
+    // Bad values: a clear error, status 2, nothing printed.
+    for bad in [
+        vec!["--skip-outbound-cidrs", "10.0.0.0/33"],
+        vec!["--skip-inbound-ports", "0"],
+        vec!["--inbound-port", "4140"],
+        vec!["--backend", "ebpf"],
+    ] {
+        let mut all = vec!["--dry-run"];
+        all.extend(bad.iter().copied());
+        let (status, out, stderr) = lameduck_iptables(&all);
+        assert_eq!(status, Some(2), "{bad:?}: {stderr}");
+        assert!(out.is_empty(), "{bad:?}: {out}");
+        assert!(
+            stderr.contains("lameduck") || stderr.contains("error"),
+            "{stderr}"
+        );
+    }
+}
+
+/// Rules that do not exempt the proxy (a wrong uid) send its own outbound connections back to
+/// it: each comes from one of its own ports and is refused, once, instead of forwarded round
+/// and round. The app's request fails (502), the proxy stays healthy and holds nothing.
+#[test]
+fn the_proxys_own_connections_sent_back_to_it_are_refused_not_forwarded_again() {
+    let test = "the_proxys_own_connections_sent_back_to_it_are_refused_not_forwarded_again";
+    if let Some(why) = unsupported() {
+        return support::skip(test, why);
+    }
+    let Some((pod, peer)) = pod_and_peer('l') else {
+        return support::skip(
+            test,
+            "cannot make a network namespace (needs root and ip(8))",
+        );
+    };
+    let server = peer.run(|| Backend::start_on("[::]:0".parse().unwrap()));
+    let server_port = server.addr.port();
+    pod.run(|| {
+        let (status, _, stderr) = lameduck_iptables(&["--proxy-uid", "9999"]);
+        assert_eq!(status, Some(0), "{stderr}");
+    });
+    let proxy = start_pod_proxy(&pod);
+    let descriptors = |pid: i32| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .count()
+    };
+    let before = descriptors(proxy.pid());
+    let in_pod = proxy.clone();
+    pod.run(move || {
+        let peer: IpAddr = "10.78.0.1".parse().unwrap();
+        support::wait_until("the peer is reachable", support::PATIENCE, || {
+            get_status(SocketAddr::new(peer, server_port), "/") == 502
+        });
+        for round in 1..=3 {
+            assert_eq!(get_status(SocketAddr::new(peer, server_port), "/"), 502);
+            let refused = in_pod.metric(
+                "lameduck_connections_refused_total{direction=\"outbound\",reason=\"loop\"}",
+            );
+            assert!(refused >= f64::from(round + 1), "round {round}: {refused}");
+        }
+        in_pod.wait_open_connections(0);
+        assert_eq!(in_pod.get("/ready").status, 200);
+    });
+    assert!(server.seen_paths().is_empty(), "{:?}", server.seen_paths());
+    let after = descriptors(proxy.pid());
+    assert!(
+        after <= before + 2,
+        "descriptors: {before} before, {after} after"
+    );
+}

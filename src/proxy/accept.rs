@@ -207,18 +207,26 @@ async fn serve(
         _ => None,
     };
     let resolved;
-    let target = match destination {
+    let (target, own_ports) = match destination {
         Some(destination) => {
             resolved = Target::Addr(destination);
-            &resolved
+            (&resolved, Some(&proxy.own_ports))
         }
-        None => &route.target,
+        None => (&route.target, None),
     };
     let protocol = route.protocol;
     // The protocol's own future is boxed once it is known, so that a connection holds only
     // the state of the protocol it speaks (the task is sized for its largest variant).
     if protocol == Protocol::Tcp {
-        return Box::pin(tcp::forward(stream, registration, tokens, target, &proxy)).await;
+        return Box::pin(tcp::forward(
+            stream,
+            registration,
+            tokens,
+            target,
+            own_ports,
+            &proxy,
+        ))
+        .await;
     }
     // An `http` route waits for the first bytes only as long as for a request's headers.
     let http_only = protocol == Protocol::Http;
@@ -237,7 +245,15 @@ async fn serve(
         Detected::Http2 => HttpVersion::Http2,
         // Not HTTP, or a server-speaks-first protocol: opaque TCP.
         Detected::Tcp | Detected::Silent if !http_only => {
-            return Box::pin(tcp::forward(stream, registration, tokens, target, &proxy)).await;
+            return Box::pin(tcp::forward(
+                stream,
+                registration,
+                tokens,
+                target,
+                own_ports,
+                &proxy,
+            ))
+            .await;
         }
         Detected::Tcp | Detected::Silent | Detected::Closed => {
             debug!(?detected, "closing a connection that sent no request");
@@ -262,6 +278,14 @@ fn original_destination(
     stream: &TcpStream,
     proxy: &ProxyContext,
 ) -> Result<SocketAddr, OrigDstRefusal> {
+    // A connection from one of the proxy's own ports on one of the pod's addresses is one of
+    // the proxy's own, sent back by NAT rules that do not exempt it.
+    if let Ok(peer) = stream.peer_addr()
+        && proxy.own_ports.contains(peer.port())
+        && net::is_local_ip(peer.ip())
+    {
+        return Err(OrigDstRefusal::Loop);
+    }
     let destination = net::original_destination(stream)?;
     let to_proxy = proxy.listeners.iter().any(|listener| {
         listener.port() == destination.port()

@@ -19,7 +19,7 @@ use crate::config::Target;
 use crate::conns::{ConnProtocol, ConnState, Connection, Registration};
 use crate::drain::{ConnTokens, Watch};
 use crate::metrics::Timeout;
-use crate::net::{connect, reset};
+use crate::net::{OwnPorts, connect, reset};
 
 /// Forwards one accepted connection until both sides close, one fails, or the drain terminates it.
 pub async fn forward(
@@ -27,6 +27,7 @@ pub async fn forward(
     registration: Registration,
     tokens: ConnTokens,
     target: &Target,
+    own_ports: Option<&Arc<OwnPorts>>,
     proxy: &ProxyContext,
 ) {
     let conn = registration.conn();
@@ -41,10 +42,11 @@ pub async fn forward(
             reset(&client);
             return;
         }
-        connected = connect(target, proxy.connect_timeout) => connected,
+        connected = connect(target, proxy.connect_timeout, own_ports) => connected,
     };
-    let target = match connected {
-        Ok(stream) => stream,
+    // The port's record lives as long as the stream.
+    let (target, _own_port) = match connected {
+        Ok(connected) => connected,
         Err((failure, error)) => {
             proxy.metrics.connect_failed(conn.direction(), failure);
             warn!(%target, %error, "connecting to the target failed; resetting the client connection");

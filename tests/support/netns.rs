@@ -34,6 +34,11 @@ impl NetNs {
         up.success().then_some(netns)
     }
 
+    /// Its name, for `ip -n NAME` and `ip link set … netns NAME`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// The namespace's descriptor, for `setns` in a child before it runs a program.
     pub fn raw_fd(&self) -> std::os::fd::RawFd {
         self.file.as_raw_fd()

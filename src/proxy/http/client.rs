@@ -27,7 +27,7 @@ use tracing::debug;
 use super::body::Payload;
 use crate::config::{Direction, Target};
 use crate::metrics::Metrics;
-use crate::net;
+use crate::net::{self, OwnPort, OwnPorts};
 use crate::sync::lock;
 
 /// How long an idle pooled connection to a target is kept (less in the unit tests below,
@@ -53,9 +53,11 @@ impl Upstream {
         direction: Direction,
         connect_timeout: Duration,
         metrics: Arc<Metrics>,
+        own_ports: Option<Arc<OwnPorts>>,
     ) -> Upstream {
         let name = target.to_string();
         let connector = Connector {
+            own_ports,
             target: Arc::new(target),
             direction,
             connect_timeout,
@@ -80,6 +82,8 @@ impl Upstream {
 /// Dials the route's target.
 #[derive(Clone)]
 pub struct Connector {
+    /// For an original destination: where its connections' ports are recorded.
+    own_ports: Option<Arc<OwnPorts>>,
     target: Arc<Target>,
     direction: Direction,
     connect_timeout: Duration,
@@ -87,11 +91,13 @@ pub struct Connector {
 }
 
 impl Connector {
-    async fn connect(&self) -> io::Result<TcpStream> {
-        match net::connect(&self.target, self.connect_timeout).await {
-            Ok(stream) => {
+    /// A connection, and its port's record (kept as long as the connection's task runs).
+    async fn connect(&self) -> io::Result<(TcpStream, Option<OwnPort>)> {
+        let own = self.own_ports.as_ref();
+        match net::connect(&self.target, self.connect_timeout, own).await {
+            Ok((stream, port)) => {
                 let _ = stream.set_nodelay(true);
-                Ok(stream)
+                Ok((stream, port))
             }
             Err((failure, error)) => {
                 self.metrics.connect_failed(self.direction, failure);
@@ -197,7 +203,7 @@ impl Http1Pool {
 
     async fn dial(self: &Arc<Self>) -> Result<http1::SendRequest<Payload>, SendError> {
         start_sweeping(&self.sweeping, self, |pool| drop(pool.idle()));
-        let stream = self.connector.connect().await.map_err(SendError::Connect)?;
+        let (stream, port) = self.connector.connect().await.map_err(SendError::Connect)?;
         let (sender, connection) = http1::handshake(TokioIo::new(stream))
             .await
             .map_err(SendError::Http)?;
@@ -205,6 +211,7 @@ impl Http1Pool {
             if let Err(error) = connection.with_upgrades().await {
                 debug!(%error, "connection to the target ended with an error");
             }
+            drop(port);
         });
         Ok(sender)
     }
@@ -396,7 +403,7 @@ impl Http2Conn {
     }
 
     async fn handshake(&self) -> Result<http2::SendRequest<Payload>, SendError> {
-        let stream = self.connector.connect().await.map_err(SendError::Connect)?;
+        let (stream, port) = self.connector.connect().await.map_err(SendError::Connect)?;
         let (sender, connection) = http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
             .handshake(TokioIo::new(stream))
@@ -406,6 +413,7 @@ impl Http2Conn {
             if let Err(error) = connection.await {
                 debug!(%error, "HTTP/2 connection to the target ended with an error");
             }
+            drop(port);
         });
         Ok(sender)
     }
@@ -443,6 +451,7 @@ mod tests {
             Direction::Inbound,
             Duration::from_secs(5),
             Arc::new(metrics),
+            None,
         )
     }
 
