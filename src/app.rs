@@ -103,7 +103,15 @@ pub fn build(config: Config) -> Result<Bound, BuildError> {
     let listens: Vec<SocketAddr> = config.routes.iter().map(|route| route.listen).collect();
     for route in &config.routes {
         let v6_only = net::v6_only(route.listen, &listens);
-        let bound = net::bind(route.listen, v6_only).map_err(|source| BuildError {
+        let bound = match net::bind(route.listen, v6_only) {
+            // A node without IPv6 (ipv6.disable=1): the IPv4 sibling serves the port alone.
+            Err(error) if v6_only && net::is_ipv6_unavailable(&error) => {
+                warn!(listen = %route.listen, %error, "no IPv6 here; this route listens on IPv4 only");
+                continue;
+            }
+            bound => bound,
+        };
+        let bound = bound.map_err(|source| BuildError {
             what: format!("{} listener", route.direction),
             at: route.listen.to_string(),
             source,

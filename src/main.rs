@@ -68,6 +68,9 @@ struct InjectArgs {
     /// The proxy image
     #[arg(long, value_name = "IMAGE", default_value = inject::DEFAULT_IMAGE)]
     image: String,
+    /// The image of the init container that installs the NAT rules (interception)
+    #[arg(long, value_name = "IMAGE", default_value = inject::DEFAULT_INIT_IMAGE)]
+    init_image: String,
     /// Inject a native sidecar (true, Kubernetes 1.29+) or an ordinary container (false)
     #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "true")]
     native_sidecar: String,
@@ -202,6 +205,7 @@ fn run_inject(args: InjectArgs) -> i32 {
     };
     let options = inject::InjectOptions {
         image: args.image,
+        init_image: args.init_image,
         native_sidecar,
     };
     match inject::inject(&input, &options) {

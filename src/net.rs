@@ -37,6 +37,14 @@ pub fn bind(addr: SocketAddr, v6_only: bool) -> io::Result<TcpListener> {
     TcpListener::from_std(socket.into())
 }
 
+/// Whether binding failed because the host has no IPv6 at all.
+pub fn is_ipv6_unavailable(error: &io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL)
+    )
+}
+
 /// Whether the IPv6 listener on `addr` must leave IPv4 to another listener of `all` on the same
 /// port. Otherwise an IPv6 socket on `[::]` takes IPv4 too (Linux's default), as a lone one
 /// should.

@@ -402,9 +402,41 @@ fn every_annotation_takes_effect() {
         Some("false")
     );
     assert!(!docs[3].contains("lameduck-proxy"), "inject: disabled");
+    // Interception (the default): ours win over Linkerd's, Linkerd's count when ours are absent.
+    let init = init_command(docs[4]);
+    assert_eq!(
+        init,
+        [
+            "/usr/local/bin/lameduck",
+            "iptables",
+            "--inbound-port",
+            "4143",
+            "--outbound-port",
+            "4140",
+            "--admin-port",
+            "4191",
+            "--proxy-uid",
+            "2110",
+            "--skip-inbound-ports",
+            "22",
+            "--skip-outbound-ports",
+            "25,3306",
+            "--skip-outbound-cidrs",
+            "169.254.169.254/32,fd00::/8",
+        ]
+    );
+    assert_eq!(
+        proxy_env(docs[4], "LAMEDUCK_OUTBOUND").as_deref(),
+        Some("0.0.0.0:4140=orig-dst,[::]:4140=orig-dst")
+    );
+    assert_eq!(
+        init_command(docs[1]),
+        Vec::<String>::new(),
+        "intercept: disabled"
+    );
     assert_eq!(
         err.lines().count(),
-        3,
+        4,
         "one note per injected workload, each a raised budget: {err}"
     );
     assert!(
@@ -412,6 +444,28 @@ fn every_annotation_takes_effect() {
             .all(|line| line.contains("raised terminationGracePeriodSeconds")),
         "{err}"
     );
+}
+
+/// The command of the `lameduck-init` container of one injected document (none: empty).
+fn init_command(document: &str) -> Vec<String> {
+    use serde::Deserialize;
+    let value =
+        serde_norway::Value::deserialize(serde_norway::Deserializer::from_str(document)).unwrap();
+    let init = value["spec"]["template"]["spec"]["initContainers"]
+        .as_sequence()
+        .cloned()
+        .unwrap_or_default();
+    init.iter()
+        .find(|container| container["name"] == "lameduck-init")
+        .map(|container| {
+            container["command"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .map(|arg| arg.as_str().unwrap().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// The hooks of docs/pod-lifecycle.md: every app container runs `lameduck prestop` first, then
@@ -509,8 +563,12 @@ fn app_containers_get_the_drain_hooks_chained_with_their_own() {
         );
     }
     let init = spec["initContainers"].as_sequence().unwrap();
-    assert_eq!(init[0]["name"], "lameduck-install", "the binary first");
-    assert_eq!(init[1]["name"], "lameduck-proxy");
+    assert_eq!(
+        init[0]["name"], "lameduck-init",
+        "the NAT rules before anything runs"
+    );
+    assert_eq!(init[1]["name"], "lameduck-install", "then the binary");
+    assert_eq!(init[2]["name"], "lameduck-proxy");
     assert_eq!(
         proxy_env(&out, "LAMEDUCK_DRAIN_SOCKET").as_deref(),
         Some("/lameduck/drain.sock")
@@ -626,6 +684,18 @@ fn bad_annotations_exit_2_naming_object_annotation_and_value() {
         ),
         ("lameduck.io/inbound-ports", "http", "8080,9090"),
         ("lameduck.io/inbound-ports", "0", "8080,9090"),
+        ("lameduck.io/intercept", "perhaps", "enabled or disabled"),
+        ("lameduck.io/skip-outbound-ports", "smtp", "25,443"),
+        (
+            "config.linkerd.io/skip-inbound-ports",
+            "8000-9000",
+            "25,443",
+        ),
+        (
+            "lameduck.io/skip-outbound-cidrs",
+            "10.0.0.0/33",
+            "10.0.0.0/8",
+        ),
         (
             "lameduck.io/shutdown-grace-perod",
             "90s",
@@ -742,9 +812,17 @@ fn the_image_matches_what_inject_expects() {
     );
     assert!(dockerfile.contains("STOPSIGNAL SIGTERM"));
     assert!(
-        dockerfile.contains("USER 65532:65532"),
-        "inject sets runAsUser 65532"
+        dockerfile.contains("USER 2110:2110"),
+        "inject sets runAsUser 2110, the uid the NAT rules exempt"
     );
+    let (init, proxy) = dockerfile
+        .split_once("FROM gcr.io/distroless")
+        .expect("the proxy's stage comes last, the default target");
+    assert!(
+        init.contains(" AS init") && init.contains("install -y --no-install-recommends iptables"),
+        "the init target has iptables for `lameduck iptables`"
+    );
+    assert!(!proxy.contains(" AS "), "the proxy's stage is the last one");
     assert!(dockerfile.contains("EXPOSE 4143 4140 4191"));
     for line in dockerfile
         .lines()

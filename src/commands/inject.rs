@@ -28,6 +28,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_norway::{Mapping, Value};
 
+use super::iptables::PROXY_UID;
 use crate::config::{Raw, parse_bool, parse_duration};
 
 mod yaml;
@@ -39,13 +40,23 @@ pub const ANNOTATION_SHUTDOWN_ENDPOINT: &str = "lameduck.io/shutdown-endpoint";
 pub const ANNOTATION_INBOUND_PORTS: &str = "lameduck.io/inbound-ports";
 pub const ANNOTATION_NATIVE_SIDECAR: &str = "lameduck.io/native-sidecar";
 pub const ANNOTATION_LINKERD_GRACE: &str = "config.linkerd.io/shutdown-grace-period";
-const KNOWN: [&str; 6] = [
+pub const ANNOTATION_INTERCEPT: &str = "lameduck.io/intercept";
+pub const ANNOTATION_SKIP_INBOUND_PORTS: &str = "lameduck.io/skip-inbound-ports";
+pub const ANNOTATION_SKIP_OUTBOUND_PORTS: &str = "lameduck.io/skip-outbound-ports";
+pub const ANNOTATION_SKIP_OUTBOUND_CIDRS: &str = "lameduck.io/skip-outbound-cidrs";
+pub const ANNOTATION_LINKERD_SKIP_INBOUND_PORTS: &str = "config.linkerd.io/skip-inbound-ports";
+pub const ANNOTATION_LINKERD_SKIP_OUTBOUND_PORTS: &str = "config.linkerd.io/skip-outbound-ports";
+const KNOWN: [&str; 10] = [
     ANNOTATION_INJECT,
     ANNOTATION_GRACE,
     ANNOTATION_LAME_DUCK,
     ANNOTATION_SHUTDOWN_ENDPOINT,
     ANNOTATION_INBOUND_PORTS,
     ANNOTATION_NATIVE_SIDECAR,
+    ANNOTATION_INTERCEPT,
+    ANNOTATION_SKIP_INBOUND_PORTS,
+    ANNOTATION_SKIP_OUTBOUND_PORTS,
+    ANNOTATION_SKIP_OUTBOUND_CIDRS,
 ];
 
 /// The proxy container's name; its presence marks a pod template as injected.
@@ -61,6 +72,11 @@ pub const DEFAULT_LAME_DUCK: Duration = Duration::from_secs(5);
 const DEFAULT_POD_GRACE_SECONDS: u64 = 30;
 /// The image the proxy container runs when `--image` is not given.
 pub const DEFAULT_IMAGE: &str = concat!("lameduck:", env!("CARGO_PKG_VERSION"));
+/// The image of the init container that installs the NAT rules (`docker/Dockerfile`'s `init`
+/// target: the binary and iptables) when `--init-image` is not given.
+pub const DEFAULT_INIT_IMAGE: &str = concat!("lameduck-init:", env!("CARGO_PKG_VERSION"));
+const INIT_NAME: &str = "lameduck-init";
+const OUTBOUND_PORT: u16 = 4140;
 /// Where the image keeps the binary, and where legacy injection puts a copy for app containers.
 const IMAGE_BINARY: &str = "/usr/local/bin/lameduck";
 const SHARED_DIR: &str = "/lameduck";
@@ -75,6 +91,7 @@ const ADMIN_PORT: u16 = 4191;
 #[derive(Clone, Debug)]
 pub struct InjectOptions {
     pub image: String,
+    pub init_image: String,
     pub native_sidecar: bool,
 }
 
@@ -227,6 +244,16 @@ struct Settings {
     shutdown_endpoint: Option<bool>,
     inbound_ports: Vec<u16>,
     native: bool,
+    /// Transparent interception (the default), with what its rules skip; `None` for the
+    /// explicit mode, where Services point at the proxy's port.
+    intercept: Option<Intercept>,
+}
+
+/// What the NAT rules of an intercepted pod leave alone.
+struct Intercept {
+    skip_inbound_ports: Vec<u16>,
+    skip_outbound_ports: Vec<u16>,
+    skip_outbound_cidrs: Vec<String>,
 }
 
 fn inject_template(
@@ -272,6 +299,13 @@ fn inject_template(
         return Ok(());
     }
     let settings = settings(spec, object, &get, is_job, options)?;
+    if settings.intercept.is_some() && get(ANNOTATION_INBOUND_PORTS).is_some() {
+        notes.push(format!(
+            "{} {}/{}: {ANNOTATION_INBOUND_PORTS} is for the explicit mode ({ANNOTATION_INTERCEPT}: \
+             disabled); with interception every inbound port goes through the proxy",
+            object.kind, object.namespace, object.name
+        ));
+    }
     if let Some((from, to)) = settings.raise_pod_grace_to {
         let message = format!(
             "{} {}/{}: raised terminationGracePeriodSeconds from {from} to {to}: the inbound drain \
@@ -307,7 +341,66 @@ fn inject_template(
         wrap_job_containers(spec, object, notes);
     }
     install_binary(spec, options);
+    if let Some(intercept) = &settings.intercept {
+        sequence(spec, "initContainers").insert(0, init_container(intercept, options));
+    }
     Ok(())
+}
+
+/// The init container that installs the pod's NAT rules (`lameduck iptables`), before
+/// anything else runs: the capabilities it needs and nothing more.
+fn init_container(intercept: &Intercept, options: &InjectOptions) -> Value {
+    let mut command: Vec<Value> = [
+        IMAGE_BINARY,
+        "iptables",
+        "--inbound-port",
+        &FIRST_INBOUND_PORT.to_string(),
+        "--outbound-port",
+        &OUTBOUND_PORT.to_string(),
+        "--admin-port",
+        &ADMIN_PORT.to_string(),
+        "--proxy-uid",
+        &PROXY_UID.to_string(),
+    ]
+    .into_iter()
+    .map(Value::from)
+    .collect();
+    let join = |items: Vec<String>| items.join(",");
+    let ports = |ports: &[u16]| join(ports.iter().map(u16::to_string).collect());
+    for (flag, value) in [
+        ("--skip-inbound-ports", ports(&intercept.skip_inbound_ports)),
+        (
+            "--skip-outbound-ports",
+            ports(&intercept.skip_outbound_ports),
+        ),
+        (
+            "--skip-outbound-cidrs",
+            join(intercept.skip_outbound_cidrs.clone()),
+        ),
+    ] {
+        if !value.is_empty() {
+            command.push(flag.into());
+            command.push(value.into());
+        }
+    }
+    let mut init = Mapping::new();
+    init.insert("name".into(), INIT_NAME.into());
+    init.insert("image".into(), options.init_image.clone().into());
+    init.insert("command".into(), Value::Sequence(command));
+    init.insert(
+        "resources".into(),
+        yaml("requests: {cpu: 10m, memory: 10Mi}"),
+    );
+    // Root with NET_ADMIN and NET_RAW for the nat table of the pod's own network namespace.
+    init.insert(
+        "securityContext".into(),
+        yaml(
+            "{runAsUser: 0, runAsNonRoot: false, readOnlyRootFilesystem: true, \
+             allowPrivilegeEscalation: false, \
+             capabilities: {add: [NET_ADMIN, NET_RAW], drop: [ALL]}}",
+        ),
+    );
+    Value::Mapping(init)
 }
 
 /// The pod template's annotations as strings (numbers and booleans written unquoted included).
@@ -410,6 +503,39 @@ fn settings<'a>(
         None => declared_ports(spec),
     };
     let native = enabled(ANNOTATION_NATIVE_SIDECAR)?.unwrap_or(options.native_sidecar);
+    let ports = |ours: &str, linkerd: &str| -> Result<Vec<u16>, InjectError> {
+        let (key, value) = match (get(ours), get(linkerd)) {
+            (Some(value), _) => (ours, value),
+            (None, Some(value)) => (linkerd, value),
+            (None, None) => return Ok(Vec::new()),
+        };
+        port_list(value).ok_or_else(|| {
+            object.annotation_error(key, value, "expected ports such as 25,443 (1 to 65535)")
+        })
+    };
+    let intercept = match enabled(ANNOTATION_INTERCEPT)?.unwrap_or(true) {
+        false => None,
+        true => Some(Intercept {
+            skip_inbound_ports: ports(
+                ANNOTATION_SKIP_INBOUND_PORTS,
+                ANNOTATION_LINKERD_SKIP_INBOUND_PORTS,
+            )?,
+            skip_outbound_ports: ports(
+                ANNOTATION_SKIP_OUTBOUND_PORTS,
+                ANNOTATION_LINKERD_SKIP_OUTBOUND_PORTS,
+            )?,
+            skip_outbound_cidrs: match get(ANNOTATION_SKIP_OUTBOUND_CIDRS) {
+                None => Vec::new(),
+                Some(value) => cidr_list(value).ok_or_else(|| {
+                    object.annotation_error(
+                        ANNOTATION_SKIP_OUTBOUND_CIDRS,
+                        value,
+                        "expected CIDRs such as 10.0.0.0/8,fd00::/8",
+                    )
+                })?,
+            },
+        }),
+    };
     Ok(Settings {
         grace,
         raise_pod_grace_to,
@@ -417,6 +543,7 @@ fn settings<'a>(
         shutdown_endpoint: enabled(ANNOTATION_SHUTDOWN_ENDPOINT)?,
         inbound_ports,
         native,
+        intercept,
     })
 }
 
@@ -427,6 +554,32 @@ fn settings<'a>(
 pub fn pod_budget(grace: Duration, app_budget: u64) -> u64 {
     let drain = grace.as_secs() + u64::from(grace.subsec_nanos() > 0);
     drain + app_budget + GRACE_MARGIN_SECONDS
+}
+
+/// `25,443` (spaces allowed); `None` when any item is not a port.
+fn port_list(value: &str) -> Option<Vec<u16>> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| item.parse::<u16>().ok().filter(|port| *port != 0))
+        .collect()
+}
+
+/// `10.0.0.0/8,fd00::/8,169.254.169.254`; `None` when any item is not an address block.
+fn cidr_list(value: &str) -> Option<Vec<String>> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| {
+            let (addr, prefix) = item.split_once('/').unwrap_or((item, ""));
+            let addr: std::net::IpAddr = addr.parse().ok()?;
+            let max = if addr.is_ipv4() { 32 } else { 128 };
+            let valid = prefix.is_empty() || prefix.parse::<u8>().is_ok_and(|p| p <= max);
+            valid.then(|| item.to_string())
+        })
+        .collect()
 }
 
 /// TCP ports the app containers declare, in order, without repeats.
@@ -486,7 +639,18 @@ fn proxy_container(
     }
     let mut ports = Vec::new();
     let mut routes = Vec::new();
-    for (index, app_port) in settings.inbound_ports.iter().enumerate() {
+    if settings.intercept.is_some() {
+        // Every connection goes where it was sent; both families on each port.
+        let both = |port: u16| format!("0.0.0.0:{port}=orig-dst,[::]:{port}=orig-dst");
+        env.push(env_var("LAMEDUCK_INBOUND", &both(FIRST_INBOUND_PORT)));
+        env.push(env_var("LAMEDUCK_OUTBOUND", &both(OUTBOUND_PORT)));
+        ports.push(port("lameduck-in", FIRST_INBOUND_PORT));
+    }
+    let explicit = match settings.intercept {
+        Some(_) => &[][..],
+        None => &settings.inbound_ports[..],
+    };
+    for (index, app_port) in explicit.iter().enumerate() {
         let listen = FIRST_INBOUND_PORT + index as u16;
         routes.push(format!("0.0.0.0:{listen}=127.0.0.1:{app_port}"));
         let name = if index == 0 {
@@ -496,10 +660,12 @@ fn proxy_container(
         };
         ports.push(port(&name, listen));
     }
-    if settings.inbound_ports.is_empty() {
-        ports.push(port("lameduck-in", FIRST_INBOUND_PORT));
-    } else {
-        env.push(env_var("LAMEDUCK_INBOUND", &routes.join(",")));
+    if settings.intercept.is_none() {
+        if routes.is_empty() {
+            ports.push(port("lameduck-in", FIRST_INBOUND_PORT));
+        } else {
+            env.push(env_var("LAMEDUCK_INBOUND", &routes.join(",")));
+        }
     }
     ports.push(port("lameduck-admin", ADMIN_PORT));
 
@@ -526,10 +692,11 @@ fn proxy_container(
     );
     container.insert(
         "securityContext".into(),
-        yaml(
-            "{runAsNonRoot: true, runAsUser: 65532, readOnlyRootFilesystem: true, \
-             allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}",
-        ),
+        yaml(&format!(
+            "{{runAsNonRoot: true, runAsUser: {PROXY_UID}, runAsGroup: {PROXY_UID}, \
+             readOnlyRootFilesystem: true, allowPrivilegeEscalation: false, \
+             capabilities: {{drop: [ALL]}}}}"
+        )),
     );
     let mut container = Value::Mapping(container);
     if !settings.native {
