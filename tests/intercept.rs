@@ -234,42 +234,18 @@ fn nat_rules() -> String {
     rules
 }
 
-/// The pod and its peer: a veth pair between two namespaces, each end with an IPv4 and an IPv6
-/// address. The peer end has a second IPv4 address, for a skipped CIDR.
-fn link(pod: &str, peer: &str, tag: char) {
-    // Interface names have 15 bytes at most; tests run in parallel.
-    let id = std::process::id() % 100_000;
-    let (pod_end, peer_end) = (format!("ld{tag}p{id}"), format!("ld{tag}q{id}"));
-    run(
-        "ip",
-        &[
-            "link", "add", &pod_end, "type", "veth", "peer", "name", &peer_end,
-        ],
-    );
-    run("ip", &["link", "set", &pod_end, "netns", pod]);
-    run("ip", &["link", "set", &peer_end, "netns", peer]);
-    for (ns, end, v4, v6) in [
-        (pod, &pod_end, "10.78.0.2/24", "fd78::2/64"),
-        (peer, &peer_end, "10.78.0.1/24", "fd78::1/64"),
-    ] {
-        run("ip", &["-n", ns, "addr", "add", v4, "dev", end]);
-        run(
-            "ip",
-            &["-n", ns, "-6", "addr", "add", v6, "dev", end, "nodad"],
-        );
-        run("ip", &["-n", ns, "link", "set", end, "up"]);
-    }
-    run(
-        "ip",
-        &["-n", peer, "addr", "add", "10.78.0.3/24", "dev", &peer_end],
-    );
-}
-
 /// A pod's namespace and its peer's, linked.
 fn pod_and_peer(tag: char) -> Option<(Arc<NetNs>, Arc<NetNs>)> {
     let pod = Arc::new(NetNs::new(&format!("{tag}-pod"))?);
     let peer = Arc::new(NetNs::new(&format!("{tag}-peer"))?);
-    link(pod.name(), peer.name(), tag);
+    // The peer end has a second IPv4 address, for a skipped CIDR.
+    support::netns::veth(
+        &pod,
+        &peer,
+        &format!("l{tag}"),
+        &["10.78.0.2/24", "fd78::2/64"],
+        &["10.78.0.1/24", "10.78.0.3/24", "fd78::1/64"],
+    );
     Some((pod, peer))
 }
 

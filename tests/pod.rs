@@ -1,7 +1,10 @@
 //! A pod goes away and no request is lost (docs/pod-lifecycle.md), end to end: the pod template
 //! that `lameduck inject` writes is started and deleted the kubelet's way by real processes
-//! (see `pod/kubelet.rs`), under load through the inbound port, while the app calls an
-//! upstream through the outbound route for every request.
+//! (see `pod/kubelet.rs`), under load, while the app calls an upstream for every request. In
+//! the explicit mode the load comes through the proxy's inbound port and the app calls out
+//! through an outbound route; with interception (the default) peers in a namespace of their
+//! own call the pod's IP and the app's port, the app calls the upstream's own address, and the
+//! NAT rules of the pod's init container send both through the proxy.
 //!
 //! The load: keep-alive clients that keep their connections until the proxy asks them to go
 //! away, and clients that open a new connection per request; both keep coming for two seconds
@@ -25,12 +28,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kubelet::{Deletion, Image, Pod, http_status};
+use kubelet::{Deletion, Image, NetNs, Pod, http_status};
 use serde::Deserialize;
 use support::BIN;
 use support::backend::{Backend, read_response};
 
 const INBOUND: u16 = 4143;
+/// With interception: the pod's and its peer's addresses on the veth pair between them.
+const POD_IP: [u8; 4] = [10, 79, 0, 2];
+const PEER_IP: [u8; 4] = [10, 79, 0, 1];
+const APP_PORT: u16 = 8080;
 /// How long new connections keep coming after the deletion.
 const ENDPOINT_PROPAGATION: Duration = Duration::from_secs(2);
 const KEEP_ALIVE_CLIENTS: usize = 6;
@@ -40,11 +47,18 @@ fn here() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The injected pod spec of `tests/pod/deployment.yaml` with the app image `testapp:MODE`.
-fn injected_pod_spec(mode: &str, native: bool) -> serde_json::Value {
-    let input = std::fs::read_to_string(here().join("tests/pod/deployment.yaml"))
+/// The injected pod spec of `tests/pod/deployment.yaml` with the app image `testapp:MODE`,
+/// intercepted or in the explicit mode.
+fn injected_pod_spec(mode: &str, native: bool, intercept: bool) -> serde_json::Value {
+    let mut input = std::fs::read_to_string(here().join("tests/pod/deployment.yaml"))
         .unwrap()
         .replace("testapp:MODE", &format!("testapp:{mode}"));
+    if intercept {
+        input = input.replace(
+            "lameduck.io/intercept: disabled",
+            "lameduck.io/intercept: enabled",
+        );
+    }
     let args: &[&str] = if native {
         &[]
     } else {
@@ -60,13 +74,18 @@ fn injected_pod_spec(mode: &str, native: bool) -> serde_json::Value {
 fn images() -> HashMap<String, Image> {
     let app = here().join("tests/pod/app.py").display().to_string();
     let mut images = HashMap::new();
-    images.insert(
-        lameduck::commands::inject::DEFAULT_IMAGE.to_string(),
-        Image {
-            entrypoint: vec!["/usr/local/bin/lameduck".into()],
-            files: vec![("/usr/local/bin/lameduck".into(), BIN.into())],
-        },
-    );
+    for image in [
+        lameduck::commands::inject::DEFAULT_IMAGE,
+        lameduck::commands::inject::DEFAULT_INIT_IMAGE,
+    ] {
+        images.insert(
+            image.to_string(),
+            Image {
+                entrypoint: vec!["/usr/local/bin/lameduck".into()],
+                files: vec![("/usr/local/bin/lameduck".into(), BIN.into())],
+            },
+        );
+    }
     for mode in ["graceful", "immediate"] {
         images.insert(
             format!("testapp:{mode}"),
@@ -79,26 +98,72 @@ fn images() -> HashMap<String, Image> {
     images
 }
 
-/// A pod ready to serve, its upstream, or why it cannot run here.
-fn running_pod(tag: &str, mode: &str, native: bool) -> Result<(Pod, Backend), &'static str> {
+/// A pod ready to serve: where its peers run and call it, and its upstream.
+struct Running {
+    pod: Pod,
+    upstream: Backend,
+    /// The namespace the load runs in: the pod's own (explicit mode) or its peer's.
+    peers: Arc<NetNs>,
+    /// Where the load calls: the proxy's inbound port, or the pod's IP and the app's port.
+    target: SocketAddr,
+}
+
+/// A pod ready to serve, or why it cannot run here.
+fn running_pod(
+    tag: &str,
+    mode: &str,
+    native: bool,
+    intercept: bool,
+) -> Result<Running, &'static str> {
     if Command::new("python3").arg("--version").output().is_err() {
         return Err("no python3 for the test app");
     }
-    let mut pod = Pod::new(tag, injected_pod_spec(mode, native), images())?;
-    // The upstream the app calls, outside the pod in a real cluster; here in its network
-    // namespace on a port of its own. The outbound route to it is the test's one addition to
-    // what inject wrote, as an operator would add it.
-    let upstream = pod.netns.run(Backend::start);
-    pod.add_env(
-        "lameduck-proxy",
-        "LAMEDUCK_OUTBOUND",
-        &format!("127.0.0.1:4140={}", upstream.addr),
-    );
+    if intercept
+        && Command::new("iptables-nft")
+            .arg("--version")
+            .output()
+            .is_err()
+    {
+        return Err("no iptables-nft for the pod's init container (Debian package iptables)");
+    }
+    let mut pod = Pod::new(tag, injected_pod_spec(mode, native, intercept), images())?;
+    let (peers, target, upstream) = if intercept {
+        // The pod's peers and its upstream, outside it as in a cluster; the app calls the
+        // upstream's own address, and nothing in the spec is changed.
+        let peers = Arc::new(
+            NetNs::new(&format!("{tag}-peers"))
+                .ok_or("cannot make a network namespace (needs root and ip(8))")?,
+        );
+        let pod_ip = SocketAddr::from((POD_IP, 0)).ip();
+        let peer_ip = SocketAddr::from((PEER_IP, 0)).ip();
+        support::netns::veth(
+            &pod.netns,
+            &peers,
+            &format!("p{}", &tag[..1]),
+            &[&format!("{pod_ip}/24")],
+            &[&format!("{peer_ip}/24")],
+        );
+        let upstream = peers.run(move || Backend::start_on(SocketAddr::new(peer_ip, 0)));
+        pod.add_env("app", "UPSTREAM", &upstream.addr.to_string());
+        (peers, SocketAddr::new(pod_ip, APP_PORT), upstream)
+    } else {
+        // The upstream the app calls, outside the pod in a real cluster; here in its network
+        // namespace on a port of its own. The outbound route to it is the test's one addition
+        // to what inject wrote, as an operator would add it.
+        let upstream = pod.netns.run(Backend::start);
+        pod.add_env(
+            "lameduck-proxy",
+            "LAMEDUCK_OUTBOUND",
+            &format!("127.0.0.1:4140={}", upstream.addr),
+        );
+        let target = SocketAddr::from(([127, 0, 0, 1], INBOUND));
+        (pod.netns.clone(), target, upstream)
+    };
     pod.start();
-    let ready = pod.netns.run(|| {
+    let ready = peers.run(move || {
         let deadline = Instant::now() + support::PATIENCE;
         while Instant::now() < deadline {
-            if http_status(INBOUND, "/work?id=ready") == Some(200) {
+            if status_of(target, "/work?id=ready") == Some(200) {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -106,7 +171,23 @@ fn running_pod(tag: &str, mode: &str, native: bool) -> Result<(Pod, Backend), &'
         false
     });
     assert!(ready, "the pod never served:\n{}", pod.timeline.text());
-    Ok((pod, upstream))
+    Ok(Running {
+        pod,
+        upstream,
+        peers,
+        target,
+    })
+}
+
+/// The status of a GET of `path` at `addr`; None when it cannot be had.
+fn status_of(addr: SocketAddr, path: &str) -> Option<u16> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: shop\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).ok()?;
+    read_response(&mut stream)
+        .ok()
+        .map(|response| response.status)
 }
 
 #[derive(Debug, Default)]
@@ -131,7 +212,7 @@ struct Load {
 }
 
 impl Load {
-    fn start(pod: &Pod) -> Load {
+    fn start(peers: &Arc<NetNs>, target: SocketAddr) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let deleted_at = Arc::new(Mutex::new(None));
         let tally = Arc::new(Mutex::new(Tally::default()));
@@ -141,8 +222,8 @@ impl Load {
             let keep_alive = index < KEEP_ALIVE_CLIENTS;
             let (stop, deleted_at, tally, ids) =
                 (stop.clone(), deleted_at.clone(), tally.clone(), ids.clone());
-            clients.push(pod.netns.spawn(move || {
-                client(keep_alive, &stop, &deleted_at, &tally, &ids);
+            clients.push(peers.spawn(move || {
+                client(target, keep_alive, &stop, &deleted_at, &tally, &ids);
             }));
         }
         Load {
@@ -176,13 +257,13 @@ impl Load {
 }
 
 fn client(
+    addr: SocketAddr,
     keep_alive: bool,
     stop: &AtomicBool,
     deleted_at: &Mutex<Option<Instant>>,
     tally: &Mutex<Tally>,
     ids: &AtomicU64,
 ) {
-    let addr = SocketAddr::from(([127, 0, 0, 1], INBOUND));
     let mut connection: Option<(TcpStream, bool)> = None;
     while !stop.load(Ordering::SeqCst) {
         let deleted = *deleted_at.lock().unwrap();
@@ -277,8 +358,13 @@ fn upstream_ids(upstream: &Backend) -> HashSet<u64> {
 }
 
 /// Runs the load across a deletion, and checks what docs/pod-lifecycle.md promises.
-fn delete_under_load(tag: &str, mode: &str, native: bool) {
-    let (mut pod, upstream) = match running_pod(tag, mode, native) {
+fn delete_under_load(tag: &str, mode: &str, native: bool, intercept: bool) {
+    let Running {
+        mut pod,
+        upstream,
+        peers,
+        target,
+    } = match running_pod(tag, mode, native, intercept) {
         Ok(running) => running,
         Err(why) => return support::skip(tag, why),
     };
@@ -299,8 +385,34 @@ fn delete_under_load(tag: &str, mode: &str, native: bool) {
             && out.contains("Read-only"),
         "{out}"
     );
-    let load = Load::start(&pod);
+    let load = Load::start(&peers, target);
     load.flowing();
+    if intercept {
+        // The load and the app's calls went through the proxy, not around it.
+        let metrics = pod.netns.run(|| {
+            support::http(
+                SocketAddr::from(([127, 0, 0, 1], 4191)),
+                "GET",
+                "/metrics",
+                &[],
+            )
+            .body
+        });
+        for direction in ["inbound", "outbound"] {
+            let sample = format!(
+                "lameduck_connections_total{{direction=\"{direction}\",protocol=\"http1\"}} "
+            );
+            let count: f64 = metrics
+                .lines()
+                .find_map(|line| line.strip_prefix(&sample))
+                .and_then(|value| value.trim().parse().ok())
+                .unwrap_or(0.0);
+            assert!(
+                count > 0.0,
+                "{tag}: no {direction} connection through the proxy:\n{metrics}"
+            );
+        }
+    }
     load.deleted();
     let deletion = pod.delete();
     let tally = load.finish();
@@ -396,12 +508,12 @@ fn report(tally: &Tally, deletion: &Deletion) -> String {
 
 #[test]
 fn deleting_a_pod_under_load_loses_no_request_with_a_graceful_app() {
-    delete_under_load("graceful", "graceful", true);
+    delete_under_load("graceful", "graceful", true, false);
 }
 
 #[test]
 fn deleting_a_pod_under_load_loses_no_request_with_an_app_that_exits_at_once() {
-    delete_under_load("immediate", "immediate", true);
+    delete_under_load("immediate", "immediate", true, false);
 }
 
 /// Legacy mode: the proxy is an ordinary container, and the kubelet runs its preStop hook and
@@ -410,7 +522,15 @@ fn deleting_a_pod_under_load_loses_no_request_with_an_app_that_exits_at_once() {
 /// it), so the outbound side stays open for the app's own shutdown.
 #[test]
 fn deleting_a_legacy_pod_under_load_loses_no_request_and_keeps_outbound_for_the_app() {
-    delete_under_load("legacy", "graceful", false);
+    delete_under_load("legacy", "graceful", false, false);
+}
+
+/// With interception (inject's default): the NAT rules of the pod's init container send the
+/// peers' calls and the app's own calls through the proxy, and the deletion keeps its promise:
+/// inbound quiesced first, outbound open until the app has exited.
+#[test]
+fn deleting_an_intercepted_pod_under_load_loses_no_request() {
+    delete_under_load("intercepted", "graceful", true, true);
 }
 
 /// A preStop hook also runs before the kubelet restarts a container whose liveness probe
@@ -418,7 +538,9 @@ fn deleting_a_legacy_pod_under_load_loses_no_request_and_keeps_outbound_for_the_
 /// back (its postStart hook).
 #[test]
 fn a_restarted_app_container_is_served_again() {
-    let (mut pod, upstream) = match running_pod("restart", "graceful", true) {
+    let Running {
+        mut pod, upstream, ..
+    } = match running_pod("restart", "graceful", true, false) {
         Ok(running) => running,
         Err(why) => return support::skip("a_restarted_app_container_is_served_again", why),
     };

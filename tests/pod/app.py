@@ -1,5 +1,6 @@
-"""The app of the pod test: an HTTP/1.1 server on 127.0.0.1:8080 that calls an upstream through
-the proxy's outbound route (127.0.0.1:4140) for every request, as a real service calls others.
+"""The app of the pod test: an HTTP/1.1 server on port 8080 that calls an upstream for every
+request, as a real service calls others: through the proxy's outbound route (127.0.0.1:4140), or
+at $UPSTREAM (host:port) when the pod's traffic is intercepted.
 
   app.py graceful   on SIGTERM: close the listener, finish what it has, make one last call
                     through the outbound route (a flush, a deregistration), exit 0 (3 if that
@@ -15,7 +16,8 @@ import sys
 import threading
 
 MODE = sys.argv[1]
-OUTBOUND = ("127.0.0.1", 4140)
+_host, _, _port = os.environ.get("UPSTREAM", "127.0.0.1:4140").rpartition(":")
+OUTBOUND = (_host, int(_port))
 
 
 def call_upstream(path):
@@ -56,7 +58,7 @@ class Server(http.server.ThreadingHTTPServer):
     block_on_close = True
 
 
-server = Server(("127.0.0.1", 8080), Handler)
+server = Server(("0.0.0.0", 8080), Handler)
 
 
 def on_sigterm(*_):
@@ -67,7 +69,7 @@ def on_sigterm(*_):
 
 
 signal.signal(signal.SIGTERM, on_sigterm)
-print("app: listening on 127.0.0.1:8080", flush=True)
+print("app: listening on port 8080", flush=True)
 server.serve_forever()
 server.server_close()
 status = call_upstream("/flush")

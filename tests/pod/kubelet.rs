@@ -12,7 +12,7 @@
 //!   (as a runtime's exec does), so that what a hook leaves behind dies with the container.
 //! - `runAsUser`/`runAsGroup` are honoured (no supplementary groups), `allowPrivilegeEscalation:
 //!   false` sets no_new_privs, `capabilities: {drop: [ALL]}` empties the bounding and
-//!   inheritable sets (setpriv), and `readOnlyRootFilesystem: true` gives the container (and its
+//!   inheritable sets (setpriv) but for the capabilities `add` names, and `readOnlyRootFilesystem: true` gives the container (and its
 //!   hooks) a mount namespace whose root is read-only, but for the volumes it mounts
 //!   read-write.
 //! - Start: init containers in order; one with `restartPolicy: Always` (a native sidecar) is
@@ -174,6 +174,9 @@ impl Pod {
         for list in ["initContainers", "containers"] {
             for entry in self.spec[list].as_array_mut().into_iter().flatten() {
                 if entry["name"] == container {
+                    if entry.get("env").is_none() {
+                        entry["env"] = serde_json::json!([]);
+                    }
                     let env = entry["env"].as_array_mut().unwrap();
                     env.push(serde_json::json!({"name": name, "value": value}));
                 }
@@ -221,6 +224,14 @@ impl Pod {
         let drop_all = security["capabilities"]["drop"]
             .as_array()
             .is_some_and(|drop| drop.iter().any(|cap| cap == "ALL"));
+        // `add` after `drop: [ALL]`: only these stay (as `net_admin`, setpriv's spelling).
+        let added: Vec<String> = security["capabilities"]["add"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|cap| cap.as_str())
+            .map(|cap| format!(",+{}", cap.to_ascii_lowercase()))
+            .collect();
         let read_only = security["readOnlyRootFilesystem"] == true;
         let mut wrapped: Vec<String> = match init {
             None => {
@@ -263,7 +274,7 @@ impl Pod {
             }
             if drop_all {
                 wrapped.push("--inh-caps=-all".into());
-                wrapped.push("--bounding-set=-all".into());
+                wrapped.push(format!("--bounding-set=-all{}", added.concat()));
             }
             if no_new_privs {
                 wrapped.push("--no-new-privs".into());

@@ -79,3 +79,34 @@ impl Drop for NetNs {
             .output();
     }
 }
+
+/// Links `a` and `b` with a veth pair, each end up with its addresses (`10.0.0.2/24`,
+/// `fd00::2/64`, …). `tag` (a few characters) keeps the interface names of tests running in
+/// parallel apart; names have 15 bytes at most.
+pub fn veth(a: &NetNs, b: &NetNs, tag: &str, a_addrs: &[&str], b_addrs: &[&str]) {
+    let id = std::process::id() % 100_000;
+    let (a_end, b_end) = (format!("{tag}a{id}"), format!("{tag}b{id}"));
+    let run = |args: &[&str]| {
+        let out = Command::new("ip").args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "link", "add", &a_end, "type", "veth", "peer", "name", &b_end,
+    ]);
+    for (ns, end, addrs) in [(a, &a_end, a_addrs), (b, &b_end, b_addrs)] {
+        run(&["link", "set", end, "netns", ns.name()]);
+        for addr in addrs {
+            let family = if addr.contains(':') { "-6" } else { "-4" };
+            let mut args = vec!["-n", ns.name(), family, "addr", "add", addr, "dev", end];
+            if family == "-6" {
+                args.push("nodad");
+            }
+            run(&args);
+        }
+        run(&["-n", ns.name(), "link", "set", end, "up"]);
+    }
+}
