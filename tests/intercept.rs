@@ -364,6 +364,22 @@ fn lameduck_iptables_sends_the_pods_traffic_through_the_proxy_and_skips_what_it_
         }
     });
     assert_eq!(count("inbound"), 2.0);
+    // A connection held open is listed, going to the pod's address and the app's port.
+    let held = peer.run(move || {
+        let mut held = send_raw(SocketAddr::new(pod_v4, app_port), &get("/held"));
+        assert_eq!(read_response(&mut held).unwrap().status, 200);
+        held
+    });
+    let listed = {
+        let proxy = proxy.clone();
+        pod.run(move || proxy.open_connections())
+    };
+    assert!(
+        listed.iter().any(|conn| conn["direction"] == "inbound"
+            && conn["target"] == SocketAddr::new(pod_v4, app_port).to_string()),
+        "{listed:?}"
+    );
+    drop(held);
 
     // Outbound, from the app: through the proxy, whose own connection is not redirected again;
     // skipped ports and CIDRs go straight out.
@@ -514,4 +530,46 @@ fn the_proxys_own_connections_sent_back_to_it_are_refused_not_forwarded_again() 
         after <= before + 2,
         "descriptors: {before} before, {after} after"
     );
+}
+
+/// Without the tool, or without the capabilities, `lameduck iptables` says which and exits 1,
+/// having installed nothing.
+#[test]
+fn lameduck_iptables_says_what_is_missing() {
+    let test = "lameduck_iptables_says_what_is_missing";
+    if let Some(why) = unsupported() {
+        return support::skip(test, why);
+    }
+    let Some(netns) = NetNs::new("ipt-missing") else {
+        return support::skip(
+            test,
+            "cannot make a network namespace (needs root and ip(8))",
+        );
+    };
+    Arc::new(netns).run(|| {
+        // No iptables on the PATH.
+        let out = Command::new(BIN)
+            .arg("iptables")
+            .env("PATH", "/nonexistent")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("iptables-nft-save not found"), "{stderr}");
+        // Not root, no capabilities.
+        let out = Command::new("setpriv")
+            .args([
+                "--reuid=4321",
+                "--regid=4321",
+                "--clear-groups",
+                BIN,
+                "iptables",
+            ])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("NET_ADMIN and NET_RAW"), "{stderr}");
+        assert!(!nat_rules().contains("LAMEDUCK"), "{}", nat_rules());
+    });
 }
