@@ -10,7 +10,7 @@ use std::fmt;
 use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::net::{TcpListener, UnixListener};
@@ -20,6 +20,7 @@ use crate::admin::{self, Admin};
 use crate::config::{Config, Direction, OutboundShutdown, Route};
 use crate::conns::Connections;
 use crate::drain::{Drain, Phase, ShutdownReason, signal_name};
+use crate::logging::Throttle;
 use crate::metrics::Metrics;
 use crate::net;
 use crate::proxy::{self, ProxyContext, ProxyRoute};
@@ -219,6 +220,7 @@ impl Bound {
                 .chain([admin_addr])
                 .collect(),
             own_ports: Arc::default(),
+            refusal_log: Mutex::new(Throttle::new(Duration::from_secs(1))),
         });
         let mut inbound_routes = Vec::new();
         for Listener {

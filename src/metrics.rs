@@ -116,7 +116,7 @@ impl Metrics {
         let refused = Family::<Labels, Counter>::default();
         registry.register(
             "connections_refused",
-            "Connections on orig-dst routes refused, by direction and reason: not_redirected (sent to the proxy's port itself), to_proxy (bound for one of the proxy's own listeners)",
+            "Connections on orig-dst routes refused, by direction and reason: not_redirected (sent to the proxy's port itself), to_proxy (bound for one of the proxy's own listeners), loop (one of the proxy's own connections, sent back to it)",
             refused.clone(),
         );
         let force_closed = Counter::default();

@@ -22,6 +22,7 @@ use tokio::sync::Semaphore;
 use crate::config::{HttpConfig, Route, Target, TcpConfig};
 use crate::conns::Connections;
 use crate::drain::Drain;
+use crate::logging::Throttle;
 use crate::metrics::Metrics;
 use crate::net::OwnPorts;
 use crate::sync::lock;
@@ -139,4 +140,6 @@ pub struct ProxyContext {
     /// The local ports of the proxy's own connections to original destinations: one that
     /// comes back to the proxy is refused, not forwarded again.
     pub own_ports: Arc<OwnPorts>,
+    /// At most one log line a second about refused `orig-dst` connections.
+    pub refusal_log: Mutex<Throttle>,
 }

@@ -27,6 +27,7 @@ use crate::conns::{ConnProtocol, Registration};
 use crate::drain::{ConnTokens, Side};
 use crate::logging::Throttle;
 use crate::net::{self, AcceptErrors, OrigDstRefusal};
+use crate::sync::lock;
 
 /// At most one log line per this interval about the connection limit holding clients back.
 const AT_LIMIT_LOG_INTERVAL: Duration = Duration::from_secs(1);
@@ -196,10 +197,14 @@ async fn serve(
                 proxy
                     .metrics
                     .connection_refused(route.direction, refusal.as_str());
-                warn!(
-                    reason = refusal.as_str(),
-                    "refusing a connection on an orig-dst route that has no destination to forward to"
-                );
+                // A misconfigured pod refuses every connection: a line a second at most.
+                if let Some(suppressed) = lock(&proxy.refusal_log).due() {
+                    warn!(
+                        reason = refusal.as_str(),
+                        suppressed,
+                        "refusing a connection on an orig-dst route that has no destination to forward to"
+                    );
+                }
                 net::reset(&stream);
                 return;
             }
