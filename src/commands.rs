@@ -4,10 +4,12 @@
 //! - [`hook`]: `lameduck prestop` / `poststart`, the app containers' Kubernetes hooks;
 //! - [`inject`]: `lameduck inject`, the proxy added to Kubernetes workloads;
 //! - [`iptables`]: `lameduck iptables`, the NAT rules of an intercepted pod (its init container);
-//! - [`status`]: `lameduck status`, the proxy's state for people.
+//! - [`status`]: `lameduck status`, the proxy's state for people;
+//! - [`webhook`]: `lameduck webhook`, the admission webhook that injects pods as they are made.
 
 pub mod r#await;
 pub mod hook;
 pub mod inject;
 pub mod iptables;
 pub mod status;
+pub mod webhook;

@@ -8,6 +8,7 @@ use lameduck::commands::hook::{self, HoldArgs, PostStartArgs, PreStopArgs};
 use lameduck::commands::inject;
 use lameduck::commands::iptables::{self, IptablesArgs};
 use lameduck::commands::status::{self, StatusArgs};
+use lameduck::commands::webhook::{self, WebhookArgs};
 use lameduck::config::{Config, ProxyArgs, process_env};
 use lameduck::signals::ShutdownSignals;
 use lameduck::{app, logging};
@@ -44,6 +45,8 @@ enum Command {
     Status(StatusArgs),
     /// Install the NAT rules that send a pod's TCP to the proxy (the init container's command)
     Iptables(IptablesArgs),
+    /// Serve the admission webhook that injects the proxy into pods as they are created
+    Webhook(WebhookArgs),
     /// Hold a connection to the proxy while this container lives (started by `poststart --hold`)
     #[command(hide = true)]
     Hold(HoldArgs),
@@ -94,6 +97,7 @@ fn main() {
                 | "status"
                 | "hold"
                 | "iptables"
+                | "webhook"
         )
     }) {
         std::process::exit(run_tool());
@@ -135,6 +139,7 @@ fn main() {
             | Command::Poststart(_)
             | Command::Status(_)
             | Command::Iptables(_)
+            | Command::Webhook(_)
             | Command::Hold(_),
         ) => {
             unreachable!("dispatched before the proxy's signal handlers")
@@ -175,6 +180,7 @@ fn run_tool() -> i32 {
         Some(Command::Status(args)) => status::run(args, process_env),
         Some(Command::Hold(args)) => hook::hold(args),
         Some(Command::Iptables(args)) => iptables::run(args),
+        Some(Command::Webhook(args)) => webhook::run(args),
         _ => unreachable!("the first argument names a tool command"),
     }
 }

@@ -144,7 +144,9 @@ pub fn inject(input: &str, options: &InjectOptions) -> Result<Injected, InjectEr
     Ok(injected)
 }
 
-fn inject_document(
+/// Injects one document (a workload, a pod, or a `List` of them) in place; others are left as
+/// they are. The admission webhook injects the pods it is sent with this too.
+pub fn inject_document(
     document: &mut Value,
     options: &InjectOptions,
     notes: &mut Vec<String>,
@@ -163,6 +165,12 @@ fn inject_document(
         return Ok(());
     }
     let object = Object::of(&kind, document);
+    // A Job's pod (made by the Job controller, as the admission webhook sees it) is a Job's.
+    let owned_by_job = document
+        .get("metadata")
+        .and_then(|metadata| metadata.get("ownerReferences"))
+        .and_then(Value::as_sequence)
+        .is_some_and(|owners| owners.iter().any(|owner| owner["kind"] == "Job"));
     let template = match kind.as_str() {
         "Pod" => Some(document),
         "Deployment"
@@ -182,7 +190,7 @@ fn inject_document(
     };
     match template {
         Some(template) if template.is_mapping() => {
-            let is_job = matches!(kind.as_str(), "Job" | "CronJob");
+            let is_job = matches!(kind.as_str(), "Job" | "CronJob") || owned_by_job;
             inject_template(template, &object, is_job, options, notes)
         }
         _ => Err(object.error(format!(

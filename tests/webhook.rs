@@ -1,0 +1,443 @@
+//! `lameduck webhook` on the real binary, over real TLS: reviews shaped like the API server's
+//! get the patch that makes each pod what `lameduck inject` writes for it (the patch is applied
+//! and compared), everything else is allowed unchanged, and a rotated certificate is served
+//! without a restart.
+
+mod support;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use rustls::pki_types::{CertificateDer, ServerName};
+use serde_json::{Value, json};
+use support::{BIN, PATIENCE};
+
+const SERVICE_NAME: &str = "lameduck-webhook.lameduck.svc";
+
+/// A CA, and a serving certificate for the webhook's Service signed by it.
+struct Certs {
+    ca: rcgen::Certificate,
+    ca_key: rcgen::KeyPair,
+}
+
+impl Certs {
+    fn new() -> Certs {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "test CA");
+        let ca = params.self_signed(&ca_key).unwrap();
+        Certs { ca, ca_key }
+    }
+
+    /// A serving certificate and its key, PEM, with `serial` to tell two apart.
+    fn serving(&self, serial: u64) -> (String, String) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(vec![SERVICE_NAME.to_string()]).unwrap();
+        params.serial_number = Some(serial.into());
+        let cert = params.signed_by(&key, &self.ca, &self.ca_key).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+}
+
+struct Webhook {
+    child: Child,
+    reviews: SocketAddr,
+    admin: SocketAddr,
+}
+
+impl Drop for Webhook {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(dir: &Path, extra: &[&str]) -> Webhook {
+    let mut child = Command::new(BIN)
+        .args([
+            "webhook",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+        ])
+        .arg("--tls-cert")
+        .arg(dir.join("tls.crt"))
+        .arg("--tls-key")
+        .arg(dir.join("tls.key"))
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let line = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|line| line.contains("webhook serving"))
+        .expect("the webhook says where it serves");
+    std::thread::spawn(move || lines.for_each(drop));
+    let field = |name: &str| -> SocketAddr {
+        let start = line.find(&format!("{name}=")).unwrap() + name.len() + 1;
+        line[start..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    Webhook {
+        reviews: field("listen"),
+        admin: field("admin"),
+        child,
+    }
+}
+
+/// A TLS client that trusts `ca` and names the Service (SNI).
+fn client_config(ca: &rcgen::Certificate) -> Arc<rustls::ClientConfig> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.der().clone()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    // Full handshakes only: a resumed session shows the certificate of the session it resumes.
+    config.resumption = rustls::client::Resumption::disabled();
+    Arc::new(config)
+}
+
+/// POSTs `body` to `path` over TLS; the status, the body, and the certificate served.
+fn post(
+    addr: SocketAddr,
+    config: &Arc<rustls::ClientConfig>,
+    path: &str,
+    body: &[u8],
+) -> std::io::Result<(u16, Vec<u8>, CertificateDer<'static>)> {
+    let name = ServerName::try_from(SERVICE_NAME).unwrap();
+    let mut tls = rustls::ClientConnection::new(config.clone(), name).unwrap();
+    let mut tcp = TcpStream::connect(addr)?;
+    tcp.set_read_timeout(Some(PATIENCE))?;
+    let mut stream = rustls::Stream::new(&mut tls, &mut tcp);
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {SERVICE_NAME}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes())?;
+    stream.write_all(body)?;
+    let mut raw = Vec::new();
+    match stream.read_to_end(&mut raw) {
+        Ok(_) => {}
+        // The server closes without close_notify after `Connection: close`; the bytes are in.
+        Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => {}
+        Err(error) => return Err(error),
+    }
+    let served = tls.peer_certificates().unwrap()[0].clone().into_owned();
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    Ok((status, raw[split + 4..].to_vec(), served))
+}
+
+/// A review of `operation` on `object` (kind from the object), as the API server sends it.
+fn review(uid: &str, operation: &str, object: &Value, namespace: &str) -> Vec<u8> {
+    let kind = object["kind"].as_str().unwrap_or("Pod");
+    let group = if kind == "Pod" || kind == "ConfigMap" {
+        ""
+    } else {
+        "apps"
+    };
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": group, "version": "v1", "kind": kind},
+            "resource": {"group": group, "version": "v1", "resource": "pods"},
+            "namespace": namespace,
+            "operation": operation,
+            "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
+            "object": object,
+            "dryRun": false,
+        }
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// `lameduck inject`'s output for one pod, as JSON.
+fn inject(pod: &Value) -> Value {
+    use serde::Deserialize;
+    let (code, yaml, err) = support::inject(&serde_json::to_string(pod).unwrap(), &[]);
+    assert_eq!(code, 0, "{err}");
+    let value =
+        serde_norway::Value::deserialize(serde_norway::Deserializer::from_str(&yaml)).unwrap();
+    serde_json::to_value(value).unwrap()
+}
+
+fn pod(name: &str, annotations: Value, owner: Option<&str>) -> Value {
+    let mut pod = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "generateName": format!("{name}-"),
+            "labels": {"app": name},
+            "annotations": annotations,
+        },
+        "spec": {
+            "containers": [{
+                "name": "app",
+                "image": "registry.example/app:1",
+                "ports": [{"containerPort": 8080, "protocol": "TCP"}],
+                "resources": {},
+            }],
+            "restartPolicy": "Always",
+            "terminationGracePeriodSeconds": 30,
+        }
+    });
+    if let Some(kind) = owner {
+        pod["metadata"]["ownerReferences"] = json!([{
+            "apiVersion": if kind == "Job" { "batch/v1" } else { "apps/v1" },
+            "kind": kind,
+            "name": name,
+            "uid": "0f0e0d0c-0000-4000-8000-000000000001",
+            "controller": true,
+        }]);
+        if kind == "Job" {
+            pod["spec"]["restartPolicy"] = "Never".into();
+        }
+    }
+    pod
+}
+
+fn setup() -> (tempdir::Dir, Certs) {
+    let dir = tempdir::Dir::new("webhook");
+    let certs = Certs::new();
+    let (cert, key) = certs.serving(1);
+    std::fs::write(dir.path().join("tls.crt"), cert).unwrap();
+    std::fs::write(dir.path().join("tls.key"), key).unwrap();
+    (dir, certs)
+}
+
+/// A folder of the test's own, removed on drop.
+mod tempdir {
+    pub struct Dir(std::path::PathBuf);
+
+    impl Dir {
+        pub fn new(tag: &str) -> Dir {
+            let path = std::env::temp_dir().join(format!(
+                "lameduck-{tag}-{}-{:?}",
+                std::process::id(),
+                std::thread::current().id()
+            ));
+            let _ = std::fs::remove_dir_all(&path);
+            std::fs::create_dir_all(&path).unwrap();
+            Dir(path)
+        }
+
+        pub fn path(&self) -> &std::path::Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+#[test]
+fn pods_get_exactly_what_inject_writes_and_everything_else_is_allowed_unchanged() {
+    let (dir, certs) = setup();
+    let webhook = start(dir.path(), &[]);
+    let config = client_config(&certs.ca);
+
+    let deployment_pod = pod("web", json!({}), Some("ReplicaSet"));
+    let job_pod = pod("batch", json!({}), Some("Job"));
+    let bare_pod = pod(
+        "debug",
+        json!({"lameduck.io/shutdown-grace-period": "20s"}),
+        None,
+    );
+    for (name, object) in [
+        ("a Deployment's pod", &deployment_pod),
+        ("a Job's pod", &job_pod),
+        ("a bare pod", &bare_pod),
+    ] {
+        let uid = format!("uid-{}", name.len());
+        let (status, body, _) = post(
+            webhook.reviews,
+            &config,
+            "/mutate",
+            &review(&uid, "CREATE", object, "shop"),
+        )
+        .unwrap();
+        assert_eq!(status, 200, "{name}");
+        let answer: Value = serde_json::from_slice(&body).unwrap();
+        let response = &answer["response"];
+        assert_eq!(answer["kind"], "AdmissionReview", "{name}");
+        assert_eq!(
+            response["uid"],
+            uid.as_str(),
+            "{name}: the request's uid, echoed"
+        );
+        assert_eq!(response["allowed"], true, "{name}");
+        assert_eq!(response["patchType"], "JSONPatch", "{name}");
+        let patch = base64::engine::general_purpose::STANDARD
+            .decode(response["patch"].as_str().unwrap())
+            .unwrap();
+        let patch: json_patch::Patch = serde_json::from_slice(&patch).unwrap();
+        let mut patched = object.clone();
+        json_patch::patch(&mut patched, &patch).unwrap();
+        assert_eq!(
+            patched,
+            inject(object),
+            "{name}: the patch applied is inject's output"
+        );
+    }
+    // A Job's pod completes at once: no lame duck (the pod says whose it is).
+    let injected = inject(&job_pod);
+    let proxy = &injected["spec"]["initContainers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "lameduck-proxy")
+        .unwrap()["env"];
+    assert!(
+        !proxy.to_string().contains("LAMEDUCK_LAME_DUCK_PERIOD"),
+        "{proxy}"
+    );
+
+    // Allowed, no patch: injected already, opted out, not a pod, not a creation, a system
+    // namespace.
+    let opted_out = pod("legacy", json!({"lameduck.io/inject": "disabled"}), None);
+    let configmap = json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}});
+    for (name, body) in [
+        (
+            "injected already",
+            review("u1", "CREATE", &inject(&deployment_pod), "shop"),
+        ),
+        ("opted out", review("u2", "CREATE", &opted_out, "shop")),
+        ("not a pod", review("u3", "CREATE", &configmap, "shop")),
+        ("an update", review("u4", "UPDATE", &deployment_pod, "shop")),
+        (
+            "a system namespace",
+            review("u5", "CREATE", &deployment_pod, "kube-system"),
+        ),
+    ] {
+        let (status, body, _) = post(webhook.reviews, &config, "/mutate", &body).unwrap();
+        assert_eq!(status, 200, "{name}");
+        let response = &serde_json::from_slice::<Value>(&body).unwrap()["response"];
+        assert_eq!(response["allowed"], true, "{name}: {response}");
+        assert!(response.get("patch").is_none(), "{name}: {response}");
+    }
+
+    // An invalid annotation: allowed unmeshed, with a warning that says why.
+    let typo = pod(
+        "typo",
+        json!({"lameduck.io/shutdown-grace-period": "10"}),
+        None,
+    );
+    let (_, body, _) = post(
+        webhook.reviews,
+        &config,
+        "/mutate",
+        &review("u6", "CREATE", &typo, "shop"),
+    )
+    .unwrap();
+    let response = &serde_json::from_slice::<Value>(&body).unwrap()["response"];
+    assert_eq!(response["allowed"], true, "{response}");
+    assert!(response.get("patch").is_none(), "{response}");
+    assert!(
+        response["warnings"][0]
+            .as_str()
+            .unwrap()
+            .contains("needs a unit"),
+        "{response}"
+    );
+
+    // Not reviews: 400, and the webhook goes on.
+    for garbage in [
+        &b"{"[..],
+        b"[]",
+        b"{\"kind\": \"AdmissionReview\"}",
+        &[0xff; 64],
+    ] {
+        let (status, _, _) = post(webhook.reviews, &config, "/mutate", garbage).unwrap();
+        assert_eq!(status, 400, "{garbage:?}");
+    }
+    let metrics = support::http(webhook.admin, "GET", "/metrics", &[]).body;
+    for sample in [
+        "lameduck_webhook_reviews_total{outcome=\"injected\"} 3",
+        "lameduck_webhook_reviews_total{outcome=\"skipped\"} 5",
+        "lameduck_webhook_reviews_total{outcome=\"invalid\"} 1",
+        "lameduck_webhook_bad_requests_total 4",
+    ] {
+        assert!(metrics.contains(sample), "{sample} in:\n{metrics}");
+    }
+    assert_eq!(
+        support::http(webhook.admin, "GET", "/ready", &[]).status,
+        200
+    );
+}
+
+#[test]
+fn invalid_annotations_deny_the_pod_when_asked_to() {
+    let (dir, certs) = setup();
+    let webhook = start(dir.path(), &["--deny-invalid"]);
+    let config = client_config(&certs.ca);
+    let typo = pod("typo", json!({"lameduck.io/intercept": "perhaps"}), None);
+    let (_, body, _) = post(
+        webhook.reviews,
+        &config,
+        "/mutate",
+        &review("u7", "CREATE", &typo, "shop"),
+    )
+    .unwrap();
+    let response = &serde_json::from_slice::<Value>(&body).unwrap()["response"];
+    assert_eq!(response["allowed"], false, "{response}");
+    assert_eq!(response["status"]["code"], 400, "{response}");
+    assert!(
+        response["status"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("lameduck.io/intercept"),
+        "{response}"
+    );
+}
+
+#[test]
+fn only_clients_that_trust_its_ca_talk_to_it_and_a_rotated_certificate_is_served_at_once() {
+    let (dir, certs) = setup();
+    let webhook = start(dir.path(), &[]);
+    let config = client_config(&certs.ca);
+    let body = review("u8", "CREATE", &pod("web", json!({}), None), "shop");
+    let (status, _, first) = post(webhook.reviews, &config, "/mutate", &body).unwrap();
+    assert_eq!(status, 200);
+
+    // A client that trusts another CA does not get through.
+    let stranger = client_config(&Certs::new().ca);
+    assert!(post(webhook.reviews, &stranger, "/mutate", &body).is_err());
+
+    // The files are replaced (a renewed Secret): the next handshakes show the new certificate.
+    let (cert, key) = certs.serving(2);
+    std::fs::write(dir.path().join("tls.key"), key).unwrap();
+    std::fs::write(dir.path().join("tls.crt"), cert).unwrap();
+    support::wait_until("the new certificate is served", PATIENCE, || {
+        std::thread::sleep(Duration::from_millis(200));
+        let (_, _, served) = post(webhook.reviews, &config, "/mutate", &body).unwrap();
+        served != first
+    });
+    let (status, _, _) = post(webhook.reviews, &config, "/mutate", &body).unwrap();
+    assert_eq!(status, 200);
+}
