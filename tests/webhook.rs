@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
+use rustls::client::danger::ServerCertVerifier as _;
 use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{Value, json};
 use support::{BIN, PATIENCE};
@@ -440,4 +441,330 @@ fn only_clients_that_trust_its_ca_talk_to_it_and_a_rotated_certificate_is_served
     });
     let (status, _, _) = post(webhook.reviews, &config, "/mutate", &body).unwrap();
     assert_eq!(status, 200);
+}
+
+/// `lameduck webhook manifests ARGS`, split into documents (as JSON values).
+fn manifests(args: &[&str]) -> (String, Vec<Value>) {
+    use serde::Deserialize;
+    let out = Command::new(BIN)
+        .args(["webhook", "manifests"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let yaml = String::from_utf8(out.stdout).unwrap();
+    let documents = serde_norway::Deserializer::from_str(&yaml)
+        .map(|document| {
+            serde_json::to_value(serde_norway::Value::deserialize(document).unwrap()).unwrap()
+        })
+        .collect();
+    (yaml, documents)
+}
+
+fn of_kind<'a>(documents: &'a [Value], kind: &str) -> &'a Value {
+    documents
+        .iter()
+        .find(|document| document["kind"] == kind)
+        .unwrap_or_else(|| panic!("no {kind}"))
+}
+
+/// Whether a Kubernetes label selector (`matchLabels`, `matchExpressions`) selects `labels`.
+fn selects(selector: &Value, labels: &Value) -> bool {
+    let label = |key: &str| labels[key].as_str();
+    let by_labels = selector["matchLabels"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .all(|(key, value)| label(key) == value.as_str());
+    let by_expressions = selector["matchExpressions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .all(|expression| {
+            let value = label(expression["key"].as_str().unwrap());
+            let values: Vec<&str> = expression["values"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect();
+            match expression["operator"].as_str().unwrap() {
+                "In" => value.is_some_and(|v| values.contains(&v)),
+                "NotIn" => value.is_none_or(|v| !values.contains(&v)),
+                "Exists" => value.is_some(),
+                "DoesNotExist" => value.is_none(),
+                other => panic!("operator {other}"),
+            }
+        });
+    by_labels && by_expressions
+}
+
+#[test]
+fn the_manifests_decode_as_kubernetes_objects_and_select_only_what_they_should() {
+    use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::{Namespace, Secret, Service, ServiceAccount};
+    let (yaml, documents) = manifests(&[]);
+    // Decoded into the Kubernetes types (a field of the wrong type fails).
+    for document in &documents {
+        let decoded = match document["kind"].as_str().unwrap() {
+            "Namespace" => serde_json::from_value::<Namespace>(document.clone()).map(drop),
+            "ServiceAccount" => {
+                serde_json::from_value::<ServiceAccount>(document.clone()).map(drop)
+            }
+            "Secret" => serde_json::from_value::<Secret>(document.clone()).map(drop),
+            "Deployment" => serde_json::from_value::<Deployment>(document.clone()).map(drop),
+            "Service" => serde_json::from_value::<Service>(document.clone()).map(drop),
+            "MutatingWebhookConfiguration" => {
+                serde_json::from_value::<MutatingWebhookConfiguration>(document.clone()).map(drop)
+            }
+            other => panic!("unexpected {other}"),
+        };
+        decoded.unwrap_or_else(|error| panic!("{}: {error}", document["kind"]));
+    }
+    assert_eq!(documents.len(), 6);
+    // And by kubectl, offline, as `kubectl apply` decodes them (YAML 1.1 rules).
+    kubectl_decodes(&yaml, documents.len());
+
+    // The caBundle verifies the serving certificate, for the Service's DNS names.
+    let b64 = |value: &Value| {
+        base64::engine::general_purpose::STANDARD
+            .decode(value.as_str().unwrap())
+            .unwrap()
+    };
+    let config = of_kind(&documents, "MutatingWebhookConfiguration");
+    let hooks = config["webhooks"].as_array().unwrap();
+    let ca_pem = b64(&hooks[0]["clientConfig"]["caBundle"]);
+    let secret = of_kind(&documents, "Secret");
+    let cert_pem = b64(&secret["data"]["tls.crt"]);
+    let ca = rustls_pemfile::certs(&mut &ca_pem[..])
+        .next()
+        .unwrap()
+        .unwrap();
+    let cert = rustls_pemfile::certs(&mut &cert_pem[..])
+        .next()
+        .unwrap()
+        .unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca).unwrap();
+    let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+        Arc::new(roots),
+        Arc::new(rustls::crypto::ring::default_provider()),
+    )
+    .build()
+    .unwrap();
+    let now = rustls::pki_types::UnixTime::now();
+    for name in [SERVICE_NAME, "lameduck-webhook.lameduck.svc.cluster.local"] {
+        let name = ServerName::try_from(name).unwrap();
+        verifier
+            .verify_server_cert(&cert, &[], &name, &[], now)
+            .unwrap_or_else(|error| panic!("{name:?}: {error}"));
+    }
+    let other = ServerName::try_from("elsewhere.lameduck.svc").unwrap();
+    assert!(
+        verifier
+            .verify_server_cert(&cert, &[], &other, &[], now)
+            .is_err()
+    );
+    for hook in hooks {
+        assert_eq!(hook["failurePolicy"], "Ignore");
+        assert_eq!(hook["sideEffects"], "None");
+        assert!(hook["timeoutSeconds"].as_u64().unwrap() <= 10);
+        assert_eq!(hook["clientConfig"]["service"]["path"], "/mutate");
+    }
+
+    // Who gets injected: pods of labelled namespaces unless they opt out, labelled pods
+    // elsewhere; never the system namespaces, never the webhook's own pods, never twice.
+    let namespace = |name: &str, enabled: bool| {
+        let mut labels = json!({"kubernetes.io/metadata.name": name});
+        if enabled {
+            labels["lameduck.io/inject"] = "enabled".into();
+        }
+        labels
+    };
+    let webhook_pod = &of_kind(&documents, "Deployment")["spec"]["template"]["metadata"]["labels"];
+    let pod_labels = |label: Option<&str>| match label {
+        Some(value) => json!({"app": "a", "lameduck.io/inject": value}),
+        None => json!({"app": "a"}),
+    };
+    let injected_by = |ns: &Value, pod: &Value| -> usize {
+        hooks
+            .iter()
+            .filter(|hook| {
+                selects(&hook["namespaceSelector"], ns) && selects(&hook["objectSelector"], pod)
+            })
+            .count()
+    };
+    for (ns, pod, expected, what) in [
+        (
+            namespace("shop", true),
+            pod_labels(None),
+            1,
+            "a labelled namespace's pod",
+        ),
+        (
+            namespace("shop", true),
+            pod_labels(Some("disabled")),
+            0,
+            "a pod that opts out",
+        ),
+        (
+            namespace("shop", true),
+            pod_labels(Some("enabled")),
+            1,
+            "both labelled: once",
+        ),
+        (
+            namespace("shop", false),
+            pod_labels(Some("enabled")),
+            1,
+            "a labelled pod elsewhere",
+        ),
+        (
+            namespace("shop", false),
+            pod_labels(None),
+            0,
+            "an unlabelled pod elsewhere",
+        ),
+        (
+            namespace("kube-system", true),
+            pod_labels(Some("enabled")),
+            0,
+            "kube-system",
+        ),
+        (
+            namespace("kube-public", true),
+            pod_labels(None),
+            0,
+            "kube-public",
+        ),
+        (
+            namespace("kube-node-lease", true),
+            pod_labels(None),
+            0,
+            "kube-node-lease",
+        ),
+        (
+            namespace("lameduck", true),
+            webhook_pod.clone(),
+            0,
+            "the webhook itself",
+        ),
+    ] {
+        assert_eq!(injected_by(&ns, &pod), expected, "{what}");
+    }
+
+    // With cert-manager: an Issuer and a Certificate for the Service's names, and the CA
+    // injected by cert-manager instead of a caBundle of ours.
+    let (yaml, documents) = manifests(&["--cert-manager", "--namespace", "mesh"]);
+    kubectl_decodes(&yaml, documents.len());
+    assert!(
+        documents
+            .iter()
+            .all(|document| document["kind"] != "Secret")
+    );
+    let certificate = of_kind(&documents, "Certificate");
+    assert_eq!(
+        certificate["spec"]["dnsNames"],
+        json!([
+            "lameduck-webhook.mesh.svc",
+            "lameduck-webhook.mesh.svc.cluster.local"
+        ])
+    );
+    let config = of_kind(&documents, "MutatingWebhookConfiguration");
+    assert_eq!(
+        config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+        "mesh/lameduck-webhook"
+    );
+    assert!(
+        config["webhooks"][0]["clientConfig"]
+            .get("caBundle")
+            .is_none()
+    );
+
+    // A namespace YAML would read as something else is quoted; an invalid one is refused.
+    let (_, documents) = manifests(&["--namespace", "no"]);
+    assert_eq!(of_kind(&documents, "Namespace")["metadata"]["name"], "no");
+    let refused = Command::new(BIN)
+        .args(["webhook", "manifests", "--namespace", "Not_A_Label"])
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2));
+}
+
+/// The generated Secret is what the webhook serves with: a client trusting the caBundle and
+/// naming the Service gets its reviews answered.
+#[test]
+fn the_webhook_serves_with_the_certificate_the_manifests_generate() {
+    let (_, documents) = manifests(&[]);
+    let b64 = |value: &Value| {
+        base64::engine::general_purpose::STANDARD
+            .decode(value.as_str().unwrap())
+            .unwrap()
+    };
+    let secret = of_kind(&documents, "Secret");
+    let dir = tempdir::Dir::new("webhook-manifests");
+    std::fs::write(dir.path().join("tls.crt"), b64(&secret["data"]["tls.crt"])).unwrap();
+    std::fs::write(dir.path().join("tls.key"), b64(&secret["data"]["tls.key"])).unwrap();
+    let ca_pem = b64(
+        &of_kind(&documents, "MutatingWebhookConfiguration")["webhooks"][0]["clientConfig"]["caBundle"],
+    );
+    let webhook = start(dir.path(), &[]);
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile::certs(&mut &ca_pem[..]) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    config.resumption = rustls::client::Resumption::disabled();
+    let body = review("u9", "CREATE", &pod("web", json!({}), None), "shop");
+    let (status, answer, _) = post(webhook.reviews, &Arc::new(config), "/mutate", &body).unwrap();
+    assert_eq!(status, 200);
+    let answer: Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(answer["response"]["patchType"], "JSONPatch");
+}
+
+/// `kubectl label --local` decodes every document offline, as `kubectl apply` would.
+fn kubectl_decodes(yaml: &str, count: usize) {
+    let file = std::env::temp_dir().join(format!(
+        "lameduck-manifests-{}-{:?}.yaml",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::write(&file, yaml).unwrap();
+    let out = match Command::new("kubectl")
+        .args([
+            "label",
+            "--local",
+            "lameduck.test/decoded=true",
+            "-o",
+            "name",
+            "-f",
+        ])
+        .arg(&file)
+        .env("KUBECONFIG", "/dev/null")
+        .output()
+    {
+        Ok(out) => out,
+        Err(_) => {
+            let _ = std::fs::remove_file(&file);
+            return support::skip("kubectl decoding of the manifests", "no kubectl on PATH");
+        }
+    };
+    let _ = std::fs::remove_file(&file);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), count);
 }

@@ -9,6 +9,7 @@
 //! it stops accepting, finishes the reviews in flight and exits 0.
 
 pub mod admission;
+pub mod manifests;
 pub mod tls;
 
 use std::convert::Infallible;
@@ -47,7 +48,10 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 const STOP_WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct WebhookArgs {
+    #[command(subcommand)]
+    command: Option<WebhookCommand>,
     /// Where to serve admission reviews over HTTPS
     #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:8443")]
     listen: SocketAddr,
@@ -55,11 +59,11 @@ pub struct WebhookArgs {
     #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:9995")]
     admin: SocketAddr,
     /// The serving certificate (PEM, with its chain); read again when it changes
-    #[arg(long, value_name = "FILE")]
-    tls_cert: PathBuf,
+    #[arg(long, value_name = "FILE", required = true)]
+    tls_cert: Option<PathBuf>,
     /// The serving certificate's private key (PEM)
-    #[arg(long, value_name = "FILE")]
-    tls_key: PathBuf,
+    #[arg(long, value_name = "FILE", required = true)]
+    tls_key: Option<PathBuf>,
     /// The proxy image injected pods get
     #[arg(long, value_name = "IMAGE", default_value = inject::DEFAULT_IMAGE)]
     image: String,
@@ -79,6 +83,12 @@ pub struct WebhookArgs {
     namespace: Option<String>,
 }
 
+#[derive(clap::Subcommand, Debug)]
+enum WebhookCommand {
+    /// Print the manifests that run the webhook on a cluster (pipe them to kubectl apply)
+    Manifests(manifests::ManifestsArgs),
+}
+
 /// What every request of the webhook shares.
 struct Webhook {
     policy: Policy,
@@ -90,8 +100,24 @@ struct Webhook {
 
 /// `lameduck webhook`: 0 after SIGTERM, 1 when it cannot serve, 2 for bad arguments.
 pub fn run(args: WebhookArgs) -> i32 {
+    if let Some(WebhookCommand::Manifests(manifests)) = &args.command {
+        return match manifests::render(manifests) {
+            Ok(yaml) => {
+                print!("{yaml}");
+                0
+            }
+            Err(error) => {
+                eprintln!("lameduck webhook manifests: {error}");
+                EXIT_INVALID
+            }
+        };
+    }
     crate::logging::init("info", crate::config::LogFormat::Plain);
-    let certs = match tls::Reloading::new(&args.tls_cert, &args.tls_key) {
+    let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) else {
+        eprintln!("lameduck webhook: --tls-cert and --tls-key are needed");
+        return EXIT_INVALID;
+    };
+    let certs = match tls::Reloading::new(cert, key) {
         Ok(certs) => Arc::new(certs),
         Err(error) => {
             eprintln!("lameduck webhook: {error}");
