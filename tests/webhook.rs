@@ -768,3 +768,45 @@ fn kubectl_decodes(yaml: &str, count: usize) {
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), count);
 }
+
+/// Pods the API server would refuse anyway, shaped every wrong way: each gets an answer (a
+/// review's, or a 400), and the webhook goes on serving.
+#[test]
+fn no_pod_however_malformed_brings_it_down() {
+    let (dir, certs) = setup();
+    let mut webhook = start(dir.path(), &[]);
+    let config = client_config(&certs.ca);
+    let weird = [
+        json!({"kind": "Pod", "metadata": 5}),
+        json!({"kind": "Pod", "metadata": {"annotations": [1, 2]}}),
+        json!({"kind": "Pod", "metadata": {"annotations": {"lameduck.io/inject": {"a": 1}}}}),
+        json!({"kind": "Pod", "spec": "x"}),
+        json!({"kind": "Pod", "spec": {"containers": "x"}}),
+        json!({"kind": "Pod", "spec": {"containers": [5, null, []]}}),
+        json!({"kind": "Pod", "spec": {"containers": [{"name": 5, "lifecycle": 7}]}}),
+        json!({"kind": "Pod", "spec": {"containers": [{"lifecycle": {"preStop": [1]}}]}}),
+        json!({"kind": "Pod", "spec": {"initContainers": {}, "volumes": "v"}}),
+        json!({"kind": "Pod", "spec": {"terminationGracePeriodSeconds": -5}}),
+        json!({"kind": "Pod", "spec": {"containers": [{"ports": [{"containerPort": "x"}]}]}}),
+        json!(null),
+        serde_json::from_str(&format!("{}{{}}{}", "[".repeat(100), "]".repeat(100))).unwrap(),
+    ];
+    for (index, object) in weird.iter().enumerate() {
+        let body = review(&format!("w{index}"), "CREATE", object, "shop");
+        let (status, body, _) = post(webhook.reviews, &config, "/mutate", &body)
+            .unwrap_or_else(|error| panic!("{object}: {error}"));
+        assert!(status == 200 || status == 400, "{object}: {status}");
+        if status == 200 {
+            let answer: Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(answer["response"]["uid"], format!("w{index}"), "{object}");
+        }
+    }
+    assert!(
+        webhook.child.try_wait().unwrap().is_none(),
+        "the webhook exited"
+    );
+    assert_eq!(
+        support::http(webhook.admin, "GET", "/live", &[]).status,
+        200
+    );
+}
