@@ -234,6 +234,23 @@ fn nat_rules() -> String {
     rules
 }
 
+/// A pod's namespace and its peer's, linked; None (and the test skipped, saying why) when this
+/// machine cannot make them.
+fn pod_and_peer_for(test: &str, tag: char) -> Option<(Arc<NetNs>, Arc<NetNs>)> {
+    if let Some(why) = unsupported() {
+        support::skip(test, why);
+        return None;
+    }
+    let linked = pod_and_peer(tag);
+    if linked.is_none() {
+        support::skip(
+            test,
+            "cannot make a network namespace (needs root and ip(8))",
+        );
+    }
+    linked
+}
+
 /// A pod's namespace and its peer's, linked.
 fn pod_and_peer(tag: char) -> Option<(Arc<NetNs>, Arc<NetNs>)> {
     let pod = Arc::new(NetNs::new(&format!("{tag}-pod"))?);
@@ -291,16 +308,11 @@ fn get_status(addr: SocketAddr, path: &str) -> u16 {
 
 #[test]
 fn lameduck_iptables_sends_the_pods_traffic_through_the_proxy_and_skips_what_it_is_told() {
-    let test =
-        "lameduck_iptables_sends_the_pods_traffic_through_the_proxy_and_skips_what_it_is_told";
-    if let Some(why) = unsupported() {
-        return support::skip(test, why);
-    }
-    let Some((pod, peer)) = pod_and_peer('i') else {
-        return support::skip(
-            test,
-            "cannot make a network namespace (needs root and ip(8))",
-        );
+    let Some((pod, peer)) = pod_and_peer_for(
+        "lameduck_iptables_sends_the_pods_traffic_through_the_proxy_and_skips_what_it_is_told",
+        'i',
+    ) else {
+        return;
     };
     // The peer: a server on every address, and one on a port the pod skips.
     let (server, skipped) = peer.run(|| {
@@ -485,15 +497,11 @@ fn lameduck_iptables_dry_run_prints_the_rules_of_each_option_set() {
 /// and round. The app's request fails (502), the proxy stays healthy and holds nothing.
 #[test]
 fn the_proxys_own_connections_sent_back_to_it_are_refused_not_forwarded_again() {
-    let test = "the_proxys_own_connections_sent_back_to_it_are_refused_not_forwarded_again";
-    if let Some(why) = unsupported() {
-        return support::skip(test, why);
-    }
-    let Some((pod, peer)) = pod_and_peer('l') else {
-        return support::skip(
-            test,
-            "cannot make a network namespace (needs root and ip(8))",
-        );
+    let Some((pod, peer)) = pod_and_peer_for(
+        "the_proxys_own_connections_sent_back_to_it_are_refused_not_forwarded_again",
+        'l',
+    ) else {
+        return;
     };
     let server = peer.run(|| Backend::start_on("[::]:0".parse().unwrap()));
     let server_port = server.addr.port();

@@ -222,8 +222,8 @@ async fn serve(
     let protocol = route.protocol;
     // The protocol's own future is boxed once it is known, so that a connection holds only
     // the state of the protocol it speaks (the task is sized for its largest variant).
-    if protocol == Protocol::Tcp {
-        return Box::pin(tcp::forward(
+    let as_tcp = |stream, registration, tokens| {
+        Box::pin(tcp::forward(
             stream,
             registration,
             tokens,
@@ -231,7 +231,9 @@ async fn serve(
             own_ports,
             &proxy,
         ))
-        .await;
+    };
+    if protocol == Protocol::Tcp {
+        return as_tcp(stream, registration, tokens).await;
     }
     // An `http` route waits for the first bytes only as long as for a request's headers.
     let http_only = protocol == Protocol::Http;
@@ -250,15 +252,7 @@ async fn serve(
         Detected::Http2 => HttpVersion::Http2,
         // Not HTTP, or a server-speaks-first protocol: opaque TCP.
         Detected::Tcp | Detected::Silent if !http_only => {
-            return Box::pin(tcp::forward(
-                stream,
-                registration,
-                tokens,
-                target,
-                own_ports,
-                &proxy,
-            ))
-            .await;
+            return as_tcp(stream, registration, tokens).await;
         }
         Detected::Tcp | Detected::Silent | Detected::Closed => {
             debug!(?detected, "closing a connection that sent no request");
