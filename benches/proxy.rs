@@ -229,6 +229,30 @@ fn main() {
     for (_, mut proxy) in running.drain(..) {
         proxy.stop();
     }
+    // The same keep-alive workload against nginx as the app, with a browser's or an SDK's
+    // request headers: what a sidecar forwards in a real pod.
+    if plan.wants("http1 keep-alive, nginx backend") && installed("wrk") {
+        if installed("nginx") {
+            let mut origin = NginxOrigin::start(&out_dir);
+            for &subject in &http_subjects {
+                running.push((
+                    subject,
+                    Running::start_to(subject, origin.addr, false, &out_dir),
+                ));
+            }
+            for _ in 0..plan.reps {
+                for (subject, proxy) in &running {
+                    merge(&mut samples, h1_nginx_backend(&once, *subject, proxy));
+                }
+            }
+            for (_, mut proxy) in running.drain(..) {
+                proxy.stop();
+            }
+            origin.stop();
+        } else {
+            skipped.push("http1 keep-alive, nginx backend (nginx not installed)".into());
+        }
+    }
     for &subject in &tcp_subjects {
         let proxy = Running::start(subject, &target, true, &out_dir);
         if plan.wants("memory, idle tcp connection pair") {
@@ -367,6 +391,11 @@ impl Running {
     /// Starts `subject` in front of the target's HTTP server (or TCP sink and hold listener).
     fn start(subject: Subject, target: &Target, tcp: bool, dir: &Path) -> Running {
         let forward = if tcp { target.sink } else { target.http };
+        Running::start_to(subject, forward, tcp, dir)
+    }
+
+    /// Starts `subject` in front of `forward`.
+    fn start_to(subject: Subject, forward: SocketAddr, tcp: bool, dir: &Path) -> Running {
         if subject == Subject::Direct {
             return Running {
                 child: None,
@@ -535,6 +564,91 @@ fn h1_keepalive(plan: &Plan, subject: Subject, proxy: &Running) -> Vec<Sample> {
         samples.push(kernel);
     }
     samples
+}
+
+/// Request headers of a browser or an SDK, besides the `Host` wrk sends.
+const REALISTIC_HEADERS: [&str; 9] = [
+    "User-Agent: Mozilla/5.0 (X11; Linux x86_64; rv:128.0) Gecko/20100101 Firefox/128.0",
+    "Accept: text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8",
+    "Accept-Language: en-US,en;q=0.5",
+    "Accept-Encoding: gzip, deflate, br",
+    "Cookie: session=3f2a9c1e7b5d4a60; theme=dark",
+    "Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.c2lnbmF0dXJl",
+    "X-Request-Id: 7d0c3f6e-9a41-4b8e-8f2d-1c5e6a7b8c9d",
+    "Traceparent: 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    "Cache-Control: no-cache",
+];
+
+/// The keep-alive workload against nginx as the app, with realistic request headers.
+fn h1_nginx_backend(plan: &Plan, subject: Subject, proxy: &Running) -> Vec<Sample> {
+    let workload = "http1 keep-alive, nginx backend";
+    let mut rps = sample(workload, subject, "requests/s", "req/s", true);
+    let mut p99 = sample(workload, subject, "latency p99", "µs", false);
+    let mut cpu = sample(workload, subject, "proxy CPU per request", "µs", false);
+    let mut kernel = sample(
+        workload,
+        subject,
+        "proxy CPU per request, in the kernel",
+        "µs",
+        false,
+    );
+    let headers: Vec<&str> = REALISTIC_HEADERS
+        .iter()
+        .flat_map(|header| ["-H", header])
+        .collect();
+    for _ in 0..plan.reps {
+        let (user_before, kernel_before) = proxy.cpu_split();
+        let run = wrk(plan, proxy.addr, &headers);
+        let (user_after, kernel_after) = proxy.cpu_split();
+        let requests = run.requests.max(1) as f64;
+        rps.values.push(run.requests as f64 / run.seconds);
+        p99.values.push(run.p99);
+        let spent_kernel = kernel_after - kernel_before;
+        let spent = user_after - user_before + spent_kernel;
+        cpu.values.push(spent.as_secs_f64() * 1e6 / requests);
+        kernel
+            .values
+            .push(spent_kernel.as_secs_f64() * 1e6 / requests);
+    }
+    let mut samples = vec![rps, p99];
+    if subject != Subject::Direct {
+        samples.push(cpu);
+        samples.push(kernel);
+    }
+    samples
+}
+
+/// nginx as the app (`benches/nginx-origin.conf`), on the target's CPU.
+struct NginxOrigin {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl NginxOrigin {
+    fn start(dir: &Path) -> NginxOrigin {
+        let addr = free_port();
+        let config = render(dir, "nginx-origin.conf", addr, addr, addr);
+        let mut command = Command::new("nginx");
+        command.arg("-c").arg(config).arg("-p").arg(dir);
+        pin(&mut command, LOAD_CPU);
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(addr).is_err() {
+            assert!(Instant::now() < deadline, "the nginx backend did not start");
+            thread::sleep(Duration::from_millis(5));
+        }
+        NginxOrigin { child, addr }
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 fn h1_new_connections(plan: &Plan, subject: Subject, proxy: &Running) -> Vec<Sample> {
