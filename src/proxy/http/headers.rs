@@ -126,12 +126,22 @@ pub(super) fn tokens(value: &HeaderValue) -> impl Iterator<Item = &str> {
 
 /// Removes hop-by-hop headers: `Connection` and every header it names, and the fixed list.
 /// When `upgrading`, `Upgrade` and `Connection: upgrade` stay so the target sees the handshake.
+/// The position of `name` in [`HOP_BY_HOP`]. Names are lowercase, and most headers have a
+/// length none of those has: rejected before any comparison.
+fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
+    let name = name.as_str();
+    if !matches!(name.len(), 2 | 7 | 10 | 14 | 16 | 17) {
+        return None;
+    }
+    HOP_BY_HOP.iter().position(|hop| hop.as_str() == name)
+}
+
 pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
     // Which of the fixed names are there: one pass over the names, and most messages carry
     // none. (Headers named by `Connection` matter only when there is a `Connection`.)
     let mut present = 0u8;
     for name in headers.keys() {
-        if let Some(index) = HOP_BY_HOP.iter().position(|hop| hop == name) {
+        if let Some(index) = hop_by_hop_index(name) {
             present |= 1 << index;
         }
     }
@@ -139,10 +149,7 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
         return;
     }
     let has = |name: &HeaderName| {
-        HOP_BY_HOP
-            .iter()
-            .position(|hop| hop == name)
-            .is_some_and(|index| present & (1 << index) != 0)
+        hop_by_hop_index(name).is_some_and(|index| present & (1 << index) != 0)
     };
     // The usual tokens (`keep-alive`, `close`, `upgrade`) name no header to remove beyond the
     // fixed ones: no allocation for them.
