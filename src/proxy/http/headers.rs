@@ -148,9 +148,8 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
     if present == 0 {
         return;
     }
-    let has = |name: &HeaderName| {
-        hop_by_hop_index(name).is_some_and(|index| present & (1 << index) != 0)
-    };
+    let has =
+        |name: &HeaderName| hop_by_hop_index(name).is_some_and(|index| present & (1 << index) != 0);
     // The usual tokens (`keep-alive`, `close`, `upgrade`) name no header to remove beyond the
     // fixed ones: no allocation for them.
     let named: Vec<HeaderName> = match has(&CONNECTION) {
