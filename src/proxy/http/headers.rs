@@ -11,6 +11,7 @@ use super::context::HttpVersion;
 
 /// Headers that concern one hop only (RFC 9110 section 7.6.1), besides those `Connection` names.
 static HOP_BY_HOP: [HeaderName; 7] = [
+    // CONNECTION_BIT, TE_BIT and UPGRADE_BIT below follow this order.
     CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -126,6 +127,11 @@ pub(super) fn tokens(value: &HeaderValue) -> impl Iterator<Item = &str> {
 
 /// Removes hop-by-hop headers: `Connection` and every header it names, and the fixed list.
 /// When `upgrading`, `Upgrade` and `Connection: upgrade` stay so the target sees the handshake.
+/// [`HOP_BY_HOP`]'s names as bits of a mask of those present.
+const CONNECTION_BIT: u8 = 1 << 0;
+const TE_BIT: u8 = 1 << 3;
+const UPGRADE_BIT: u8 = 1 << 5;
+
 /// The position of `name` in [`HOP_BY_HOP`]. Names are lowercase, and most headers have a
 /// length none of those has: rejected before any comparison.
 fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
@@ -148,11 +154,9 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
     if present == 0 {
         return;
     }
-    let has =
-        |name: &HeaderName| hop_by_hop_index(name).is_some_and(|index| present & (1 << index) != 0);
     // The usual tokens (`keep-alive`, `close`, `upgrade`) name no header to remove beyond the
     // fixed ones: no allocation for them.
-    let named: Vec<HeaderName> = match has(&CONNECTION) {
+    let named: Vec<HeaderName> = match present & CONNECTION_BIT != 0 {
         true => headers
             .get_all(CONNECTION)
             .iter()
@@ -167,10 +171,10 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
             .collect(),
         false => Vec::new(),
     };
-    let upgrade = (upgrading && has(&UPGRADE))
+    let upgrade = (upgrading && present & UPGRADE_BIT != 0)
         .then(|| headers.get(UPGRADE).cloned())
         .flatten();
-    let trailers = has(&TE)
+    let trailers = present & TE_BIT != 0
         && headers
             .get_all(TE)
             .iter()
@@ -178,8 +182,10 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
     for name in named {
         headers.remove(name);
     }
-    for name in HOP_BY_HOP.iter().filter(|name| has(name)) {
-        headers.remove(name);
+    for (index, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << index) != 0 {
+            headers.remove(name);
+        }
     }
     if trailers {
         headers.insert(TE, HeaderValue::from_static("trailers"));
@@ -253,4 +259,24 @@ pub(super) fn absolute_uri(request: &mut Request<Incoming>, target: &str) -> Res
         .build()
         .map_err(|_| ())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_named_bits_are_the_names_positions() {
+        for (bit, name) in [
+            (CONNECTION_BIT, CONNECTION),
+            (TE_BIT, TE),
+            (UPGRADE_BIT, UPGRADE),
+        ] {
+            assert_eq!(1 << hop_by_hop_index(&name).unwrap(), bit, "{name}");
+        }
+        for name in &HOP_BY_HOP {
+            assert!(hop_by_hop_index(name).is_some(), "{name}");
+        }
+        assert_eq!(hop_by_hop_index(&hyper::header::CONTENT_LENGTH), None);
+    }
 }
