@@ -13,7 +13,7 @@ pub mod process;
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -71,9 +71,10 @@ pub fn command_with_fd_limit(limit: u64) -> Command {
     cmd
 }
 
-/// Log lines collected from a child's stderr.
+/// Log lines collected from a child's stderr; the flag is set at its end (the child exited and
+/// every line it wrote is in).
 #[derive(Clone, Default)]
-pub struct Logs(Arc<(Mutex<Vec<String>>, Condvar)>);
+pub struct Logs(Arc<(Mutex<Vec<String>>, Condvar)>, Arc<AtomicBool>);
 
 impl Logs {
     fn collect(self, stderr: impl Read + Send + 'static) {
@@ -84,7 +85,26 @@ impl Logs {
                 lines.lock().unwrap().push(line);
                 changed.notify_all();
             }
+            self.1.store(true, Ordering::SeqCst);
+            let (lines, changed) = &*self.0;
+            let _guard = lines.lock().unwrap();
+            changed.notify_all();
         });
+    }
+
+    /// Waits (at most `limit`) until the child's stderr has ended: after its exit, the lines it
+    /// wrote last are read by then.
+    fn wait_ended(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let (lines, changed) = &*self.0;
+        let mut guard = lines.lock().unwrap();
+        while !self.1.load(Ordering::SeqCst) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            guard = changed.wait_timeout(guard, left).unwrap().0;
+        }
     }
 
     pub fn lines(&self) -> Vec<String> {
@@ -217,6 +237,9 @@ impl Proxy {
         loop {
             if let Some(status) = self.child.try_wait().expect("try_wait") {
                 self.status = Some(status);
+                // Its last lines may still be in the pipe (bounded: a process it left behind
+                // could hold the pipe open).
+                self.logs.wait_ended(Duration::from_secs(2));
                 return Some(status);
             }
             if Instant::now() >= deadline {
