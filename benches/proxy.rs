@@ -443,21 +443,7 @@ impl Running {
             Subject::Direct => unreachable!(),
         };
         pin(&mut command, PROXY_CPU);
-        let child = command
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(addr).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "{} did not start",
-                subject.name()
-            );
-            thread::sleep(Duration::from_millis(5));
-        }
+        let child = spawn_listening(&mut command, addr, subject.name());
         Running {
             child: Some(child),
             addr,
@@ -486,6 +472,22 @@ impl Running {
             let _ = child.wait();
         }
     }
+}
+
+/// Starts `command` and waits (at most 10 s) until it accepts connections on `addr`.
+fn spawn_listening(command: &mut Command, addr: SocketAddr, what: &str) -> Child {
+    let child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(addr).is_err() {
+        assert!(Instant::now() < deadline, "{what} did not start");
+        thread::sleep(Duration::from_millis(5));
+    }
+    child
 }
 
 fn render(
@@ -631,17 +633,7 @@ impl NginxOrigin {
         let mut command = Command::new("nginx");
         command.arg("-c").arg(config).arg("-p").arg(dir);
         pin(&mut command, LOAD_CPU);
-        let child = command
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(addr).is_err() {
-            assert!(Instant::now() < deadline, "the nginx backend did not start");
-            thread::sleep(Duration::from_millis(5));
-        }
+        let child = spawn_listening(&mut command, addr, "the nginx backend");
         NginxOrigin { child, addr }
     }
 

@@ -249,8 +249,6 @@ impl Bound {
         }
         if let Some((path, socket)) = control {
             let inbound = Arc::new(InboundControl::new(
-                drain.clone(),
-                conns.clone(),
                 proxy.clone(),
                 inbound_routes,
                 config.lame_duck_period,

@@ -41,8 +41,7 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::config::Direction;
-use crate::conns::Connections;
-use crate::drain::{Drain, Side};
+use crate::drain::Side;
 use crate::net;
 use crate::proxy::{self, ProxyContext, ProxyRoute};
 
@@ -82,8 +81,7 @@ enum State {
 
 /// Quiesces and resumes the inbound side.
 pub struct InboundControl {
-    drain: Arc<Drain>,
-    conns: Arc<Connections>,
+    /// The drain and the registry of connections are the proxy's.
     proxy: Arc<ProxyContext>,
     /// Every inbound route, with its real listen address, to bind again on resume.
     routes: Vec<Arc<ProxyRoute>>,
@@ -96,16 +94,12 @@ pub struct InboundControl {
 
 impl InboundControl {
     pub fn new(
-        drain: Arc<Drain>,
-        conns: Arc<Connections>,
         proxy: Arc<ProxyContext>,
         routes: Vec<Arc<ProxyRoute>>,
         lame_duck: Duration,
         grace: Duration,
     ) -> InboundControl {
         InboundControl {
-            drain,
-            conns,
             proxy,
             routes,
             lame_duck,
@@ -142,8 +136,8 @@ impl InboundControl {
         }
         let (sender, receiver) = watch::channel(None);
         *state = State::Quiesced(receiver.clone());
-        self.drain.set_inbound_quiesced(true);
-        let side = self.drain.side(Direction::Inbound);
+        self.proxy.drain.set_inbound_quiesced(true);
+        let side = self.proxy.drain.side(Direction::Inbound);
         let control = self.clone();
         tokio::spawn(async move {
             let outcome = control.run(&side).await;
@@ -166,7 +160,7 @@ impl InboundControl {
     async fn run(&self, side: &Side) -> Outcome {
         let started = Instant::now();
         let deadline = started + self.grace;
-        let shutting_down = self.drain.reason().is_some();
+        let shutting_down = self.proxy.drain.reason().is_some();
         info!(
             lame_duck_period = %humantime::format_duration(self.lame_duck),
             grace_period = %humantime::format_duration(self.grace),
@@ -199,7 +193,8 @@ impl InboundControl {
     }
 
     fn inbound_open(&self) -> usize {
-        self.conns
+        self.proxy
+            .conns
             .snapshot()
             .iter()
             .filter(|conn| conn.direction() == Direction::Inbound)
@@ -213,7 +208,7 @@ impl InboundControl {
         let State::Quiesced(outcome) = &mut *state else {
             return Ok("inbound side already serving");
         };
-        if self.drain.reason().is_some() {
+        if self.proxy.drain.reason().is_some() {
             return Err("the proxy is shutting down".into());
         }
         let _ = outcome.wait_for(Option::is_some).await;
@@ -224,10 +219,10 @@ impl InboundControl {
                 .map_err(|error| format!("cannot bind the inbound listener {listen}: {error}"))?;
             bound.push((proxy_route.clone(), listener));
         }
-        if self.drain.reason().is_some() {
+        if self.proxy.drain.reason().is_some() {
             return Err("the proxy is shutting down".into());
         }
-        let (side, _) = self.drain.renew_inbound();
+        let (side, _) = self.proxy.drain.renew_inbound();
         for (proxy_route, listener) in bound {
             side.spawn_accept_loop(proxy::accept::accept_loop(
                 listener,
@@ -237,7 +232,7 @@ impl InboundControl {
             ));
         }
         *state = State::Serving;
-        self.drain.set_inbound_quiesced(false);
+        self.proxy.drain.set_inbound_quiesced(false);
         info!("inbound side serving again");
         Ok("inbound side serving again")
     }

@@ -326,25 +326,20 @@ fn lameduck_iptables_sends_the_pods_traffic_through_the_proxy_and_skips_what_it_
     let pod_v6: IpAddr = "fd78::2".parse().unwrap();
 
     let app_port = pod.run(move || {
-        let (status, _, stderr) = lameduck_iptables(&[
+        let skipped_port = skipped_port.to_string();
+        let args = [
             "--proxy-uid",
             PROXY_UID,
             "--skip-outbound-ports",
-            &skipped_port.to_string(),
+            &skipped_port,
             "--skip-outbound-cidrs",
             "10.78.0.3/32,fd78::3",
-        ]);
+        ];
+        let (status, _, stderr) = lameduck_iptables(&args);
         assert_eq!(status, Some(0), "{stderr}");
         let installed = nat_rules();
         // Twice changes nothing.
-        let (status, _, stderr) = lameduck_iptables(&[
-            "--proxy-uid",
-            PROXY_UID,
-            "--skip-outbound-ports",
-            &skipped_port.to_string(),
-            "--skip-outbound-cidrs",
-            "10.78.0.3/32,fd78::3",
-        ]);
+        let (status, _, stderr) = lameduck_iptables(&args);
         assert_eq!(status, Some(0), "{stderr}");
         assert_eq!(nat_rules(), installed);
         assert!(installed.contains("LAMEDUCK_OUTPUT"), "{installed}");
