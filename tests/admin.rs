@@ -171,6 +171,7 @@ fn a_thousand_parallel_shutdowns_start_exactly_one_drain() {
         "{:?}",
         statuses.iter().filter(|&&s| s != 200).collect::<Vec<_>>()
     );
+    proxy.logs.wait_event("shutdown started");
     assert_eq!(
         proxy.logs.events("shutdown started").len(),
         1,

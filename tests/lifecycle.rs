@@ -294,6 +294,7 @@ fn admin_shutdown_drains_like_sigterm() {
         (200, "shutdown\n"),
         "a second POST answers 200 and does nothing more"
     );
+    proxy.logs.wait_event("shutdown started");
     assert_eq!(proxy.logs.events("shutdown started").len(), 1);
     assert_eq!(
         proxy.logs.events("shutdown started")[0]["fields"]["trigger"],
@@ -344,7 +345,7 @@ fn sigint_drains_like_sigterm_and_a_second_sigint_exits_130() {
     });
     echo_round_trip(&mut held, b"after SIGINT");
     assert_eq!(
-        proxy.logs.events("shutdown started")[0]["fields"]["trigger"],
+        proxy.logs.wait_event("shutdown started")["fields"]["trigger"],
         "SIGINT"
     );
     proxy.signal(libc::SIGINT);

@@ -134,6 +134,14 @@ impl Logs {
         }
     }
 
+    /// The first JSON log event whose message is `message`, waited for (it may still be in the
+    /// pipe when the test sees what caused it).
+    pub fn wait_event(&self, message: &str) -> serde_json::Value {
+        let needle = format!("\"message\":\"{message}\"");
+        let line = self.wait_for(message, |line| line.contains(&needle));
+        serde_json::from_str(&line).unwrap()
+    }
+
     /// JSON log events whose message is `message`.
     pub fn events(&self, message: &str) -> Vec<serde_json::Value> {
         self.lines()
