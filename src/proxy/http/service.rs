@@ -21,7 +21,7 @@ use futures_util::FutureExt;
 use futures_util::future::Either;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::header::{
-    CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue, TRANSFER_ENCODING, UPGRADE,
+    CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, HeaderName, HeaderValue, TRANSFER_ENCODING, UPGRADE,
 };
 use hyper::upgrade::OnUpgrade;
 use hyper::{Method, Request, Response, StatusCode, Version};
@@ -236,20 +236,32 @@ fn send(
     request: Request<Payload>,
 ) -> impl Future<Output = Result<(Response<Incoming>, Option<Lease>), Failure>> + '_ {
     async move {
+        // The headers as a list, not a second map: a map's clone also copies its hash index,
+        // and the copy is almost never used.
         let replay = replayable(&request).then(|| {
-            let mut copy = Request::new(Payload::Bytes(None));
-            *copy.method_mut() = request.method().clone();
-            *copy.uri_mut() = request.uri().clone();
-            *copy.version_mut() = request.version();
-            *copy.headers_mut() = request.headers().clone();
-            copy
+            let headers: Vec<(HeaderName, HeaderValue)> = request
+                .headers()
+                .iter()
+                .map(|(name, value)| (name.clone(), value.clone()))
+                .collect();
+            (
+                request.method().clone(),
+                request.uri().clone(),
+                request.version(),
+                headers,
+            )
         });
         let failure = match send_once(upstream, version, request).await {
             Err(failure) if failure.kind == FailureKind::ClosedBeforeResponse => failure,
             first => return first,
         };
         match replay {
-            Some(again) => {
+            Some((method, uri, version_of_request, headers)) => {
+                let mut again = Request::new(Payload::Bytes(None));
+                *again.method_mut() = method;
+                *again.uri_mut() = uri;
+                *again.version_mut() = version_of_request;
+                again.headers_mut().extend(headers);
                 debug!(error = %failure.error, "the target closed a pooled connection before answering; retrying once");
                 send_once(upstream, version, again).await
             }
