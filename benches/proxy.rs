@@ -524,29 +524,35 @@ fn render(
 // ---------------------------------------------------------------- workloads
 
 fn h1_keepalive(plan: &Plan, subject: Subject, proxy: &Running) -> Vec<Sample> {
-    let mut rps = sample("http1 keep-alive", subject, "requests/s", "req/s", true);
-    let mut p50 = sample("http1 keep-alive", subject, "latency p50", "µs", false);
-    let mut p99 = sample("http1 keep-alive", subject, "latency p99", "µs", false);
-    let mut p999 = sample("http1 keep-alive", subject, "latency p99.9", "µs", false);
-    let mut cpu = sample(
-        "http1 keep-alive",
-        subject,
-        "proxy CPU per request",
-        "µs",
-        false,
-    );
+    h1_keepalive_rows("http1 keep-alive", &[], plan, subject, proxy)
+}
+
+/// Keep-alive requests flat out (wrk), with `headers` besides `Host`: the rows of `workload`.
+fn h1_keepalive_rows(
+    workload: &'static str,
+    headers: &[&str],
+    plan: &Plan,
+    subject: Subject,
+    proxy: &Running,
+) -> Vec<Sample> {
+    let mut rps = sample(workload, subject, "requests/s", "req/s", true);
+    let mut p50 = sample(workload, subject, "latency p50", "µs", false);
+    let mut p99 = sample(workload, subject, "latency p99", "µs", false);
+    let mut p999 = sample(workload, subject, "latency p99.9", "µs", false);
+    let mut cpu = sample(workload, subject, "proxy CPU per request", "µs", false);
     // The kernel's part: the socket calls and the TCP work of both ends of each loopback
     // connection, which runs on the sender's CPU. Every proxy pays it alike; it is the floor.
     let mut kernel = sample(
-        "http1 keep-alive",
+        workload,
         subject,
         "proxy CPU per request, in the kernel",
         "µs",
         false,
     );
+    let headers: Vec<&str> = headers.iter().flat_map(|header| ["-H", header]).collect();
     for _ in 0..plan.reps {
         let (user_before, kernel_before) = proxy.cpu_split();
-        let run = wrk(plan, proxy.addr, &[]);
+        let run = wrk(plan, proxy.addr, &headers);
         let (user_after, kernel_after) = proxy.cpu_split();
         let requests = run.requests.max(1) as f64;
         rps.values.push(run.requests as f64 / run.seconds);
@@ -583,41 +589,13 @@ const REALISTIC_HEADERS: [&str; 9] = [
 
 /// The keep-alive workload against nginx as the app, with realistic request headers.
 fn h1_nginx_backend(plan: &Plan, subject: Subject, proxy: &Running) -> Vec<Sample> {
-    let workload = "http1 keep-alive, nginx backend";
-    let mut rps = sample(workload, subject, "requests/s", "req/s", true);
-    let mut p99 = sample(workload, subject, "latency p99", "µs", false);
-    let mut cpu = sample(workload, subject, "proxy CPU per request", "µs", false);
-    let mut kernel = sample(
-        workload,
+    h1_keepalive_rows(
+        "http1 keep-alive, nginx backend",
+        &REALISTIC_HEADERS,
+        plan,
         subject,
-        "proxy CPU per request, in the kernel",
-        "µs",
-        false,
-    );
-    let headers: Vec<&str> = REALISTIC_HEADERS
-        .iter()
-        .flat_map(|header| ["-H", header])
-        .collect();
-    for _ in 0..plan.reps {
-        let (user_before, kernel_before) = proxy.cpu_split();
-        let run = wrk(plan, proxy.addr, &headers);
-        let (user_after, kernel_after) = proxy.cpu_split();
-        let requests = run.requests.max(1) as f64;
-        rps.values.push(run.requests as f64 / run.seconds);
-        p99.values.push(run.p99);
-        let spent_kernel = kernel_after - kernel_before;
-        let spent = user_after - user_before + spent_kernel;
-        cpu.values.push(spent.as_secs_f64() * 1e6 / requests);
-        kernel
-            .values
-            .push(spent_kernel.as_secs_f64() * 1e6 / requests);
-    }
-    let mut samples = vec![rps, p99];
-    if subject != Subject::Direct {
-        samples.push(cpu);
-        samples.push(kernel);
-    }
-    samples
+        proxy,
+    )
 }
 
 /// nginx as the app (`benches/nginx-origin.conf`), on the target's CPU.
