@@ -10,6 +10,7 @@
 mod body;
 mod client;
 mod context;
+mod fast;
 mod header_block;
 mod headers;
 mod io;

@@ -73,6 +73,7 @@ impl Upstream {
         let http1 = Arc::new(Http1Pool {
             connector,
             idle: Mutex::new(Vec::new()),
+            plain: Mutex::new(Vec::new()),
             sweeping: AtomicBool::new(false),
         });
         Upstream { name, http1, http2 }
@@ -128,6 +129,9 @@ pub enum SendError {
 pub struct Http1Pool {
     connector: Connector,
     idle: Mutex<Vec<Idle>>,
+    /// Idle connections of the fast lane (`fast.rs`), which speaks HTTP/1.1 on them itself:
+    /// kept apart from hyper's, swept alike.
+    plain: Mutex<Vec<PlainIdle>>,
     /// Set once the sweeping task runs (from the first connection on).
     sweeping: AtomicBool,
 }
@@ -135,6 +139,27 @@ pub struct Http1Pool {
 struct Idle {
     sender: http1::SendRequest<Payload>,
     since: Instant,
+}
+
+/// A connection to the target that the fast lane speaks HTTP/1.1 on itself, with its port's
+/// record (an original destination's).
+pub struct PlainConn {
+    pub stream: TcpStream,
+    _port: Option<OwnPort>,
+}
+
+struct PlainIdle {
+    conn: PlainConn,
+    since: Instant,
+}
+
+/// Whether the target has closed an idle connection, or sent on it what no request asked
+/// for: costs no system call unless the socket was reported readable.
+fn closed_or_unexpected(stream: &TcpStream) -> bool {
+    match stream.try_read(&mut [0u8; 1]) {
+        Err(error) => error.kind() != io::ErrorKind::WouldBlock,
+        Ok(_) => true,
+    }
 }
 
 impl Http1Pool {
@@ -201,8 +226,58 @@ impl Http1Pool {
         None
     }
 
+    /// The fast lane's idle connections, once those idle for too long are closed.
+    fn plain(&self) -> MutexGuard<'_, Vec<PlainIdle>> {
+        let mut plain = lock(&self.plain);
+        let now = Instant::now();
+        let expired = plain
+            .iter()
+            .take_while(|entry| now.duration_since(entry.since) >= POOL_IDLE_TIMEOUT)
+            .count();
+        plain.drain(..expired);
+        plain
+    }
+
+    /// An idle connection for the fast lane that the target has not closed, if there is one.
+    pub fn checkout_plain(&self) -> Option<PlainConn> {
+        let mut plain = self.plain();
+        while let Some(entry) = plain.pop() {
+            if !closed_or_unexpected(&entry.conn.stream) {
+                return Some(entry.conn);
+            }
+        }
+        None
+    }
+
+    /// A new connection for the fast lane.
+    pub async fn dial_plain(self: &Arc<Self>) -> io::Result<PlainConn> {
+        start_sweeping(&self.sweeping, self, Http1Pool::sweep);
+        let (stream, port) = self.connector.connect().await?;
+        Ok(PlainConn {
+            stream,
+            _port: port,
+        })
+    }
+
+    /// A fast-lane connection whose last response was read to its end, for the next request.
+    pub fn put_plain(&self, conn: PlainConn) {
+        let entry = PlainIdle {
+            conn,
+            since: Instant::now(),
+        };
+        self.plain().push(entry);
+    }
+
+    /// Closes what has been idle for too long, and the fast lane's connections that the
+    /// target closed (hyper's notice that by themselves).
+    fn sweep(&self) {
+        drop(self.idle());
+        self.plain()
+            .retain(|entry| !closed_or_unexpected(&entry.conn.stream));
+    }
+
     async fn dial(self: &Arc<Self>) -> Result<http1::SendRequest<Payload>, SendError> {
-        start_sweeping(&self.sweeping, self, |pool| drop(pool.idle()));
+        start_sweeping(&self.sweeping, self, Http1Pool::sweep);
         let (stream, port) = self.connector.connect().await.map_err(SendError::Connect)?;
         let (sender, connection) = http1::handshake(TokioIo::new(stream))
             .await

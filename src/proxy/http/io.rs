@@ -19,8 +19,10 @@ use tracing::debug;
 
 use super::context::ConnCtx;
 use super::header_block::HeaderBlockWatch;
+use crate::drain::Watch;
 use crate::metrics::Timeout;
 use crate::net::unread_bytes;
+use crate::proxy::tcp;
 
 /// How long an HTTP/1 keep-alive connection waits for its next request before it is parked
 /// (its hyper connection and buffers dropped; see `server::serve_http1`). A connection whose
@@ -29,6 +31,9 @@ use crate::net::unread_bytes;
 /// wait. The shorter the wait, the fewer connections hold their buffers at once when many go
 /// idle.
 pub(super) const PARK_AFTER: Duration = Duration::from_millis(10);
+
+/// How long a closing connection keeps reading (and discarding) after its FIN.
+pub(super) const LINGER: Duration = Duration::from_secs(2);
 
 /// The client socket as hyper sees it: counts bytes both ways, and when hyper drops it after
 /// the proxy sent its FIN, hands the socket back for a lingering close. For HTTP/1 it also
@@ -51,6 +56,9 @@ pub struct ServerIo {
     park_timer: Option<Pin<Box<tokio::time::Sleep>>>,
     /// HTTP/2: the bound on a header block in progress.
     header_block: Option<Box<HeaderBlockWatch>>,
+    /// HTTP/1: once it may park, the session ends at once instead of after [`PARK_AFTER`]
+    /// (the fast lane takes the connection back).
+    hand_back: bool,
 }
 
 impl ServerIo {
@@ -73,6 +81,7 @@ impl ServerIo {
             idle_since: None,
             park_timer: None,
             header_block: None,
+            hand_back: false,
         };
         (io, came_home)
     }
@@ -86,6 +95,12 @@ impl ServerIo {
         let (mut io, came_home) = ServerIo::new(stream, ctx, Bytes::new(), None);
         io.header_block = Some(Box::new(HeaderBlockWatch::new(limit)));
         (io, came_home)
+    }
+
+    /// Ends the session as soon as it may park: the first time hyper asks for bytes beyond
+    /// those handed to it, once it has served a request of its own and finished it.
+    pub fn hand_back(&mut self) {
+        self.hand_back = true;
     }
 
     /// The socket, taken out for a tunnel after an upgrade.
@@ -173,6 +188,13 @@ impl AsyncRead for ServerIo {
             self.prefix.advance(n);
             return Poll::Ready(Ok(()));
         }
+        if self.hand_back
+            && let Some(since) = self.park_after
+            && self.ctx.may_park(since)
+        {
+            self.parked = true;
+            return Poll::Ready(Ok(()));
+        }
         let before = buf.filled().len();
         match Pin::new(self.stream()?).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
@@ -239,5 +261,18 @@ impl AsyncWrite for ServerIo {
             self.fin_sent = true;
         }
         poll
+    }
+}
+
+/// Reads and discards what the client still sends after the proxy's FIN, until the client
+/// closes, [`LINGER`] passes, or the drain terminates.
+pub(super) async fn linger(stream: TcpStream, terminate: &Watch) {
+    tokio::select! {
+        // The client closed its side too (or failed).
+        () = tcp::discard(&stream) => {}
+        // The client kept sending (or stayed silent) for too long.
+        _ = tokio::time::sleep(LINGER) => {}
+        // The grace period ran out, or a second signal.
+        _ = terminate.cancelled() => {}
     }
 }

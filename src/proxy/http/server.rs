@@ -11,7 +11,7 @@
 //!
 //! A connection the proxy closes while the client's bytes still wait unread in the socket
 //! (pipelined requests, HTTP/2 frames) gets a lingering close: FIN, then what the client sends
-//! is read and discarded until it closes or [`LINGER`] passes, so that the kernel does not
+//! is read and discarded until it closes or [`LINGER`](super::io::LINGER) passes, so that the kernel does not
 //! answer unread bytes with an RST that would cut the last response short.
 
 use std::future::Future as _;
@@ -30,7 +30,8 @@ use tracing::{Instrument as _, debug};
 
 use super::client::Upstream;
 use super::context::{ConnCtx, HttpVersion};
-use super::io::ServerIo;
+use super::fast::{self, Lane};
+use super::io::{ServerIo, linger};
 use super::service;
 use crate::conns::{ConnProtocol, ConnState, Registration};
 use crate::drain::{Cancelled, ConnTokens, Watch};
@@ -38,10 +39,7 @@ use crate::metrics::Timeout;
 use crate::net;
 use crate::proxy::ProxyContext;
 use crate::proxy::quiet::Quiet;
-use crate::proxy::tcp;
 
-/// How long a closing connection keeps reading (and discarding) after its FIN.
-const LINGER: Duration = Duration::from_secs(2);
 /// After a timeout's GOAWAY, how long an HTTP/2 client has to acknowledge it (h2 closes once
 /// its PING is answered) before the connection is reset: a stalled client never does.
 const H2_CLOSE_WAIT: Duration = Duration::from_secs(1);
@@ -177,10 +175,10 @@ enum Wake {
     Closed,
 }
 
-/// Serves requests on `stream` in hyper sessions until the connection ends (`None`) or a
-/// session parks with nothing of a next request read (the socket). A session that parked
-/// having read part of the next request failed on it as "incomplete"; those bytes go first to
-/// the next session, which starts at once.
+/// Serves requests on `stream` until the connection ends (`None`) or it parks with nothing of
+/// a next request read (the socket): in the fast lane while the requests are the lane's, in a
+/// hyper session for one that is not, which hands the connection back after it (with the bytes
+/// of a next request it had read, if any).
 async fn http1_sessions(
     mut stream: TcpStream,
     ctx: &Arc<ConnCtx>,
@@ -189,9 +187,14 @@ async fn http1_sessions(
 ) -> Option<TcpStream> {
     let mut unparsed = Bytes::new();
     loop {
-        match http1_session(stream, unparsed, ctx, listeners_closed, closing).await {
+        let (socket, bytes) =
+            match fast::serve(stream, unparsed, ctx, listeners_closed, closing).await {
+                Lane::Done => return None,
+                Lane::Parked(socket) => return Some(socket),
+                Lane::Hyper(socket, bytes) => (socket, bytes),
+            };
+        match http1_session(socket, bytes, ctx, listeners_closed, closing).await {
             Session::Done => return None,
-            Session::Parked(socket, rest) if rest.is_empty() => return Some(socket),
             Session::Parked(socket, rest) => (stream, unparsed) = (socket, rest),
         }
     }
@@ -205,7 +208,8 @@ enum Session {
     Parked(TcpStream, Bytes),
 }
 
-/// Serves requests on `stream` with one hyper connection until it ends or parks.
+/// Serves requests on `stream` with one hyper connection until it ends, or hands the connection
+/// back to the fast lane once it has served a request of its own.
 async fn http1_session(
     stream: TcpStream,
     prefix: Bytes,
@@ -222,7 +226,8 @@ async fn http1_session(
         .max_buf_size(config.max_header_size);
     // Once the listeners have closed, the session runs to its end (`connection: close`).
     let park_after = (!closing).then(|| ctx.requests_started.load(Ordering::Acquire));
-    let (io, came_home) = ServerIo::new(stream, ctx.clone(), prefix, park_after);
+    let (mut io, came_home) = ServerIo::new(stream, ctx.clone(), prefix, park_after);
+    io.hand_back();
     let service_ctx = ctx.clone();
     // Not boxed: hyper writes each request's future into a slot it allocated for the session,
     // so a box would only add an allocation per request; a parked connection has no session,
@@ -383,19 +388,6 @@ async fn serve_http2(
                 return true;
             }
         }
-    }
-}
-
-/// Reads and discards what the client still sends after the proxy's FIN, until the client
-/// closes, [`LINGER`] passes, or the drain terminates.
-async fn linger(stream: TcpStream, terminate: &Watch) {
-    tokio::select! {
-        // The client closed its side too (or failed).
-        () = tcp::discard(&stream) => {}
-        // The client kept sending (or stayed silent) for too long.
-        _ = tokio::time::sleep(LINGER) => {}
-        // The grace period ran out, or a second signal.
-        _ = terminate.cancelled() => {}
     }
 }
 

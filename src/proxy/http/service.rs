@@ -488,7 +488,7 @@ pub struct InFlight {
 }
 
 impl InFlight {
-    fn start(ctx: &ConnCtx) -> InFlight {
+    pub(super) fn start(ctx: &ConnCtx) -> InFlight {
         let conn = ctx.conn().clone();
         conn.requests_in_flight.fetch_add(1, Ordering::AcqRel);
         InFlight {
@@ -498,10 +498,14 @@ impl InFlight {
         }
     }
 
-    fn record_status(&self, ctx: &ConnCtx, status: StatusCode) {
+    pub(super) fn record_status(&self, ctx: &ConnCtx, status: StatusCode) {
+        self.record_code(ctx, status.as_u16());
+    }
+
+    pub(super) fn record_code(&self, ctx: &ConnCtx, code: u16) {
         ctx.proxy
             .metrics
-            .request_finished(self.conn.direction(), status.as_u16());
+            .request_finished(self.conn.direction(), code);
     }
 }
 

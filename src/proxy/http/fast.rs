@@ -1,0 +1,703 @@
+//! The fast lane: the most common HTTP/1 request forwarded by the proxy's own code, in the
+//! client connection's task, on a connection to the target of its own (docs/http.md, "The fast
+//! lane").
+//!
+//! It takes an HTTP/1.1 request with no body (`GET`, `HEAD`, `DELETE`, `OPTIONS`), an
+//! origin-form target, exactly one plain `Host`, and no header that asks for anything else
+//! (`Content-Length`, `Transfer-Encoding`, `Expect`, `Upgrade`, `TE`, a `Connection` naming
+//! more than `close` or `keep-alive`). The decision is made on the request head alone, parsed
+//! by the parser hyper uses (httparse) with no more lenience than hyper. Everything else, and a
+//! head that does not parse or does not arrive at once, goes to hyper with the bytes read so
+//! far: hyper serves it exactly as before (every framing rule, every error status) and hands
+//! the connection back. So the lane never has to refuse anything itself.
+//!
+//! What it does is what the hyper path does for such a request: hop-by-hop headers removed
+//! both ways, `connection: close` both ways while draining, the target's response framed again
+//! (a length, or chunked for a chunked or close-delimited body), the keep-alive race replayed
+//! once, 502/504 answered with the same bodies, `Date` added when the target sent none, the
+//! client's EOF while waiting cancelling the request, and the same metrics and bounds.
+
+use std::future::{Future, poll_fn};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use hyper::StatusCode;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt as _, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::time::{Instant, Sleep};
+use tracing::debug;
+
+mod wire;
+
+use self::wire::{
+    ChunkDecoder, Framing, Parsed, Planned, RequestPlan, ResponsePlan, error_response,
+    plan_request, plan_response, push_chunk,
+};
+use super::client::PlainConn;
+use super::context::ConnCtx;
+use super::io::PARK_AFTER;
+use super::service::InFlight;
+use crate::drain::{Cancelled, Watch};
+use crate::metrics::Timeout;
+use crate::net;
+
+/// hyper's default bound on a response head.
+const MAX_RESPONSE_HEAD: usize = 8192 + 4096 * 100;
+/// The read buffers' size to start with (hyper's too).
+const BUFFER: usize = 8192;
+
+/// How the lane left the connection.
+pub(super) enum Lane {
+    /// Finished with: closed, cut or reset.
+    Done,
+    /// Idle for [`PARK_AFTER`] with nothing read: parks.
+    Parked(TcpStream),
+    /// A request the lane does not take: hyper serves the connection from these bytes on.
+    Hyper(TcpStream, Bytes),
+}
+
+/// Serves requests on `client` while they are the lane's, starting with `buffered`.
+pub(super) async fn serve(
+    client: TcpStream,
+    buffered: Bytes,
+    ctx: &Arc<ConnCtx>,
+    listeners_closed: &Watch,
+    mut closing: bool,
+) -> Lane {
+    let mut lane = FastLane::new(client, &buffered, ctx);
+    let mut terminate = std::pin::pin!(Cancelled::new(&ctx.terminate));
+    let mut drain = std::pin::pin!(Cancelled::new(listeners_closed));
+    let max_head = ctx.proxy.http.max_header_size;
+    let mut head_since: Option<Instant> = None;
+    loop {
+        let pending = &lane.inbuf[lane.start..lane.end];
+        let request = match plan_request(pending, ctx.closing(), &mut lane.request_head) {
+            Planned::Request(request) => request,
+            Planned::Other => return lane.into_hyper(),
+            Planned::Partial if lane.pending().len() >= max_head => return lane.into_hyper(),
+            Planned::Partial => {
+                let idle = lane.pending().is_empty();
+                if idle {
+                    head_since = None;
+                }
+                let since = *head_since.get_or_insert_with(Instant::now);
+                let drain = (idle && !closing).then_some(&mut drain);
+                match lane
+                    .read_client(&mut terminate, drain, since + PARK_AFTER, max_head)
+                    .await
+                {
+                    Waited::Ready(Ok(0)) => return Lane::Done,
+                    Waited::Ready(Ok(_)) => continue,
+                    Waited::Ready(Err(error)) => {
+                        debug!(%error, "HTTP/1 client connection failed");
+                        return Lane::Done;
+                    }
+                    // Nothing came: the connection parks, or a slow head goes to hyper, which
+                    // bounds it with the header read timeout.
+                    Waited::TimedOut if idle => return Lane::Parked(lane.client),
+                    Waited::TimedOut => return lane.into_hyper(),
+                    Waited::Terminated => return lane.reset(),
+                    Waited::ListenersClosed => {
+                        closing = true;
+                        if net::unread_bytes(lane.client.as_raw_fd()) == 0 {
+                            // Idle: closed at once (a FIN).
+                            return Lane::Done;
+                        }
+                        continue;
+                    }
+                }
+            }
+        };
+        head_since = None;
+        lane.start += request.head_len;
+        match lane.forward(&request, &mut terminate).await {
+            Outcome::KeepAlive if request.close || ctx.closing() => {
+                lane.close().await;
+                return Lane::Done;
+            }
+            Outcome::KeepAlive => {}
+            Outcome::Cut => return Lane::Done,
+            Outcome::Terminated => return lane.reset(),
+        }
+    }
+}
+
+/// How one forwarded request ended.
+enum Outcome {
+    /// The response went out whole.
+    KeepAlive,
+    /// The response could not be finished (the target or the client failed mid-way), or the
+    /// client went away: the connection is dropped.
+    Cut,
+    /// The drain terminated the connection.
+    Terminated,
+}
+
+/// How a wait ended.
+enum Waited<T> {
+    Ready(T),
+    TimedOut,
+    Terminated,
+    ListenersClosed,
+}
+
+/// Polls `io` until it is ready, unless the drain terminates first, the listeners close (when
+/// watched) or `deadline` passes. The timer is armed only once `io` has to wait.
+async fn wait<T>(
+    mut io: impl FnMut(&mut Context<'_>) -> Poll<T>,
+    terminate: &mut Pin<&mut Cancelled<'_>>,
+    mut listeners_closed: Option<&mut Pin<&mut Cancelled<'_>>>,
+    timer: &mut Option<Pin<Box<Sleep>>>,
+    deadline: Option<Instant>,
+) -> Waited<T> {
+    let mut armed = false;
+    poll_fn(|cx| {
+        if terminate.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Waited::Terminated);
+        }
+        if let Poll::Ready(value) = io(cx) {
+            return Poll::Ready(Waited::Ready(value));
+        }
+        if let Some(drain) = listeners_closed.as_mut()
+            && drain.as_mut().poll(cx).is_ready()
+        {
+            return Poll::Ready(Waited::ListenersClosed);
+        }
+        if let Some(deadline) = deadline {
+            let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+            if !armed {
+                armed = true;
+                if timer.deadline() != deadline {
+                    timer.as_mut().reset(deadline);
+                }
+            }
+            if timer.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Waited::TimedOut);
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// A read into `buf`; tokio's own read, which notices a drained socket without a further call.
+fn poll_read_into(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<usize>> {
+    let mut read = ReadBuf::new(buf);
+    match Pin::new(stream).poll_read(cx, &mut read) {
+        Poll::Ready(Ok(())) => Poll::Ready(Ok(read.filled().len())),
+        Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
+        Poll::Pending => Poll::Pending,
+    }
+}
+
+/// Why a write did not finish.
+enum WriteFailed {
+    Io(io::Error),
+    Terminated,
+}
+
+async fn write_all(
+    stream: &mut TcpStream,
+    mut bytes: &[u8],
+    terminate: &mut Pin<&mut Cancelled<'_>>,
+    timer: &mut Option<Pin<Box<Sleep>>>,
+) -> Result<(), WriteFailed> {
+    while !bytes.is_empty() {
+        let written = wait(
+            |cx| Pin::new(&mut *stream).poll_write(cx, bytes),
+            terminate,
+            None,
+            timer,
+            None,
+        )
+        .await;
+        match written {
+            Waited::Ready(Ok(0)) => return Err(WriteFailed::Io(io::ErrorKind::WriteZero.into())),
+            Waited::Ready(Ok(n)) => bytes = &bytes[n..],
+            Waited::Ready(Err(error)) => return Err(WriteFailed::Io(error)),
+            _ => return Err(WriteFailed::Terminated),
+        }
+    }
+    Ok(())
+}
+
+/// The lane's state on one client connection: its buffers live while it serves, and go when
+/// it parks.
+struct FastLane<'a> {
+    ctx: &'a Arc<ConnCtx>,
+    client: TcpStream,
+    /// The client's bytes; `inbuf[start..end]` are not used yet.
+    inbuf: Vec<u8>,
+    start: usize,
+    end: usize,
+    /// The target's bytes; `upbuf[up_start..up_end]` are not used yet.
+    upbuf: Vec<u8>,
+    up_start: usize,
+    up_end: usize,
+    /// The request's head as the target gets it.
+    request_head: Vec<u8>,
+    /// What goes to the client next.
+    out: Vec<u8>,
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl<'a> FastLane<'a> {
+    fn new(client: TcpStream, buffered: &[u8], ctx: &'a Arc<ConnCtx>) -> FastLane<'a> {
+        let mut inbuf = vec![0; BUFFER.max(buffered.len())];
+        inbuf[..buffered.len()].copy_from_slice(buffered);
+        FastLane {
+            ctx,
+            client,
+            inbuf,
+            start: 0,
+            end: buffered.len(),
+            upbuf: Vec::new(),
+            up_start: 0,
+            up_end: 0,
+            request_head: Vec::new(),
+            out: Vec::new(),
+            timer: None,
+        }
+    }
+
+    fn pending(&self) -> &[u8] {
+        &self.inbuf[self.start..self.end]
+    }
+
+    fn into_hyper(self) -> Lane {
+        let rest = Bytes::copy_from_slice(self.pending());
+        Lane::Hyper(self.client, rest)
+    }
+
+    fn reset(self) -> Lane {
+        net::reset(&self.client);
+        Lane::Done
+    }
+
+    fn count_from_client(&self, read: usize) {
+        let conn = self.ctx.conn();
+        conn.bytes_from_peer
+            .fetch_add(read as u64, Ordering::Relaxed);
+    }
+
+    /// Room after the pending bytes: they move to the front, and the buffer grows up to
+    /// `limit` when they fill it.
+    fn make_room(&mut self, limit: usize) -> bool {
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        } else if self.end == self.inbuf.len() && self.start > 0 {
+            self.inbuf.copy_within(self.start..self.end, 0);
+            (self.start, self.end) = (0, self.end - self.start);
+        }
+        if self.end == self.inbuf.len() {
+            if self.inbuf.len() >= limit {
+                return false;
+            }
+            let grown = (self.inbuf.len() * 2).min(limit);
+            self.inbuf.resize(grown, 0);
+        }
+        true
+    }
+
+    /// Reads more of the client's bytes, until `deadline`.
+    async fn read_client(
+        &mut self,
+        terminate: &mut Pin<&mut Cancelled<'_>>,
+        drain: Option<&mut Pin<&mut Cancelled<'_>>>,
+        deadline: Instant,
+        limit: usize,
+    ) -> Waited<io::Result<usize>> {
+        self.make_room(limit);
+        let (client, buf) = (&mut self.client, &mut self.inbuf[self.end..]);
+        let read = wait(
+            |cx| poll_read_into(client, buf, cx),
+            terminate,
+            drain,
+            &mut self.timer,
+            Some(deadline),
+        )
+        .await;
+        if let Waited::Ready(Ok(n)) = read {
+            self.end += n;
+            self.count_from_client(n);
+        }
+        read
+    }
+
+    /// Writes `out` to the client.
+    async fn flush(&mut self, terminate: &mut Pin<&mut Cancelled<'_>>) -> Result<(), WriteFailed> {
+        let written = write_all(&mut self.client, &self.out, terminate, &mut self.timer).await;
+        if written.is_ok() {
+            self.ctx
+                .conn()
+                .bytes_to_peer
+                .fetch_add(self.out.len() as u64, Ordering::Relaxed);
+        }
+        self.out.clear();
+        written
+    }
+
+    /// Sends the FIN after the last response; a client still sending gets a lingering close.
+    async fn close(mut self) {
+        let _ = self.client.shutdown().await;
+        if self.start != self.end || net::unread_bytes(self.client.as_raw_fd()) > 0 {
+            super::io::linger(self.client, &self.ctx.terminate).await;
+        }
+    }
+
+    /// Forwards the request whose head for the target is in `request_head`, and its response.
+    async fn forward(
+        &mut self,
+        request: &RequestPlan,
+        terminate: &mut Pin<&mut Cancelled<'_>>,
+    ) -> Outcome {
+        let ctx = self.ctx;
+        ctx.request_started();
+        let in_flight = InFlight::start(ctx);
+        let pool = &ctx.upstream.http1;
+        let deadline = ctx
+            .proxy
+            .http
+            .response_timeout
+            .map(|limit| Instant::now() + limit);
+        let mut replayed = false;
+        let (mut conn, response) = loop {
+            let (mut conn, reused) = match pool.checkout_plain() {
+                Some(conn) => (conn, true),
+                None => {
+                    // Boxed: dialling is rare, and its future would make this one larger.
+                    let mut dial = Box::pin(pool.dial_plain());
+                    let dialled = wait(
+                        |cx| dial.as_mut().poll(cx),
+                        terminate,
+                        None,
+                        &mut self.timer,
+                        None,
+                    )
+                    .await;
+                    match dialled {
+                        Waited::Ready(Ok(conn)) => (conn, false),
+                        Waited::Ready(Err(error)) => {
+                            debug!(%error, "forwarding failed");
+                            let (status, why) = match error.kind() {
+                                io::ErrorKind::TimedOut => (
+                                    StatusCode::GATEWAY_TIMEOUT,
+                                    "gateway timeout: cannot connect to",
+                                ),
+                                _ => (StatusCode::BAD_GATEWAY, "bad gateway: cannot connect to"),
+                            };
+                            let body = format!("{why} {}\n", ctx.upstream.name);
+                            return self
+                                .answer(status, &body, request, &in_flight, terminate)
+                                .await;
+                        }
+                        _ => return Outcome::Terminated,
+                    }
+                }
+            };
+            let sent = write_all(
+                &mut conn.stream,
+                &self.request_head,
+                terminate,
+                &mut self.timer,
+            )
+            .await;
+            let head = match sent {
+                Ok(()) => {
+                    self.read_response_head(&mut conn, request, deadline, terminate)
+                        .await
+                }
+                Err(WriteFailed::Terminated) => return Outcome::Terminated,
+                Err(WriteFailed::Io(error)) => {
+                    debug!(%error, "sending to the target failed");
+                    HeadRead::ClosedBeforeResponse
+                }
+            };
+            match head {
+                HeadRead::Response(response) => break (conn, response),
+                // The keep-alive race: the target closed the pooled connection as the request
+                // went out. Replayed once, as the hyper path does (every method here is
+                // idempotent, and there is no body).
+                HeadRead::ClosedBeforeResponse if reused && !replayed => {
+                    debug!("the target closed a pooled connection before answering; retrying once");
+                    replayed = true;
+                }
+                HeadRead::ClosedBeforeResponse | HeadRead::Bad => {
+                    let body = format!("bad gateway: {} failed to respond\n", ctx.upstream.name);
+                    return self
+                        .answer(
+                            StatusCode::BAD_GATEWAY,
+                            &body,
+                            request,
+                            &in_flight,
+                            terminate,
+                        )
+                        .await;
+                }
+                HeadRead::TimedOut => {
+                    let body = format!(
+                        "gateway timeout: {} did not respond in time\n",
+                        ctx.upstream.name
+                    );
+                    return self
+                        .answer(
+                            StatusCode::GATEWAY_TIMEOUT,
+                            &body,
+                            request,
+                            &in_flight,
+                            terminate,
+                        )
+                        .await;
+                }
+                HeadRead::ClientGone => return Outcome::Cut,
+                HeadRead::Terminated => return Outcome::Terminated,
+            }
+        };
+        in_flight.record_code(ctx, response.code);
+        match self
+            .forward_body(&mut conn, response.framing, terminate)
+            .await
+        {
+            Ok(clean) => {
+                if clean && response.reusable && !ctx.closing() {
+                    pool.put_plain(conn);
+                }
+                Outcome::KeepAlive
+            }
+            Err(outcome) => outcome,
+        }
+    }
+
+    /// Answers the client with the proxy's own short response (the hyper path's bodies).
+    async fn answer(
+        &mut self,
+        status: StatusCode,
+        body: &str,
+        request: &RequestPlan,
+        in_flight: &InFlight,
+        terminate: &mut Pin<&mut Cancelled<'_>>,
+    ) -> Outcome {
+        let close = request.close || self.ctx.closing();
+        in_flight.record_code(self.ctx, status.as_u16());
+        error_response(&mut self.out, status, body, close);
+        match self.flush(terminate).await {
+            Ok(()) => Outcome::KeepAlive,
+            Err(WriteFailed::Terminated) => Outcome::Terminated,
+            Err(WriteFailed::Io(_)) => Outcome::Cut,
+        }
+    }
+
+    /// Reads the target's response head (past any 1xx), and writes the client's head into
+    /// `out`. Meanwhile an EOF from the client cancels the request, as in hyper.
+    async fn read_response_head(
+        &mut self,
+        conn: &mut PlainConn,
+        request: &RequestPlan,
+        deadline: Option<Instant>,
+        terminate: &mut Pin<&mut Cancelled<'_>>,
+    ) -> HeadRead {
+        if self.upbuf.is_empty() {
+            self.upbuf = vec![0; BUFFER];
+        }
+        (self.up_start, self.up_end) = (0, 0);
+        let mut read_any = false;
+        loop {
+            if self.up_end > self.up_start {
+                self.out.clear();
+                // Asked as late as possible: a drain that began while the target worked closes
+                // the connection after this response.
+                let close = request.close || self.ctx.closing();
+                let bytes = &self.upbuf[self.up_start..self.up_end];
+                match plan_response(bytes, request.is_head, close, &mut self.out) {
+                    Parsed::Response(response) => {
+                        self.up_start += response.head_len;
+                        return HeadRead::Response(response);
+                    }
+                    Parsed::Informational(len) => {
+                        self.up_start += len;
+                        continue;
+                    }
+                    Parsed::Partial => {}
+                    Parsed::Bad => return HeadRead::Bad,
+                }
+            }
+            if self.up_start > 0 {
+                self.upbuf.copy_within(self.up_start..self.up_end, 0);
+                (self.up_start, self.up_end) = (0, self.up_end - self.up_start);
+            }
+            if self.up_end == self.upbuf.len() {
+                if self.upbuf.len() >= MAX_RESPONSE_HEAD {
+                    return HeadRead::Bad;
+                }
+                let grown = (self.upbuf.len() * 2).min(MAX_RESPONSE_HEAD);
+                self.upbuf.resize(grown, 0);
+            }
+            // The client is watched while nothing of a next request is buffered (as hyper
+            // does): its EOF means it gave up on this one.
+            let watch_client = self.start == self.end && self.make_room(BUFFER);
+            let (client, inbuf) = (&mut self.client, &mut self.inbuf[self.end..]);
+            let (target, upbuf) = (&mut conn.stream, &mut self.upbuf[self.up_end..]);
+            let read = wait(
+                |cx| {
+                    if let Poll::Ready(read) = poll_read_into(target, upbuf, cx) {
+                        return Poll::Ready(Ok(read));
+                    }
+                    if watch_client && let Poll::Ready(read) = poll_read_into(client, inbuf, cx) {
+                        return Poll::Ready(Err(read));
+                    }
+                    Poll::Pending
+                },
+                terminate,
+                None,
+                &mut self.timer,
+                deadline,
+            )
+            .await;
+            match read {
+                Waited::Ready(Ok(Ok(0))) | Waited::Ready(Ok(Err(_))) if !read_any => {
+                    return HeadRead::ClosedBeforeResponse;
+                }
+                Waited::Ready(Ok(Ok(0))) | Waited::Ready(Ok(Err(_))) => return HeadRead::Bad,
+                Waited::Ready(Ok(Ok(n))) => {
+                    read_any = true;
+                    self.up_end += n;
+                }
+                Waited::Ready(Err(Ok(0))) | Waited::Ready(Err(Err(_))) => {
+                    debug!("the client went away before the response");
+                    return HeadRead::ClientGone;
+                }
+                Waited::Ready(Err(Ok(n))) => {
+                    self.end += n;
+                    self.count_from_client(n);
+                }
+                Waited::TimedOut => return HeadRead::TimedOut,
+                Waited::Terminated | Waited::ListenersClosed => return HeadRead::Terminated,
+            }
+        }
+    }
+
+    /// Sends the head in `out` and the body after it. `Ok(true)`: the response ended where
+    /// its framing said, with nothing after it, so the target's connection may serve again.
+    async fn forward_body(
+        &mut self,
+        conn: &mut PlainConn,
+        framing: Framing,
+        terminate: &mut Pin<&mut Cancelled<'_>>,
+    ) -> Result<bool, Outcome> {
+        let limit = self.ctx.proxy.http.body_timeout;
+        let mut remaining = match framing {
+            Framing::Length(length) => length,
+            _ => 0,
+        };
+        let mut chunks = ChunkDecoder::default();
+        loop {
+            let available = &self.upbuf[self.up_start..self.up_end];
+            let finished = match framing {
+                Framing::None => true,
+                Framing::Length(_) => {
+                    let take = available
+                        .len()
+                        .min(usize::try_from(remaining).unwrap_or(usize::MAX));
+                    self.out.extend_from_slice(&available[..take]);
+                    self.up_start += take;
+                    remaining -= take as u64;
+                    remaining == 0
+                }
+                Framing::Chunked => match chunks.decode(available, &mut self.out) {
+                    Ok((used, done)) => {
+                        self.up_start += used;
+                        if done {
+                            self.out.extend_from_slice(b"0\r\n\r\n");
+                        }
+                        done
+                    }
+                    Err(why) => {
+                        debug!(why, "the target's chunked body is malformed");
+                        let _ = self.flush(terminate).await;
+                        return Err(Outcome::Cut);
+                    }
+                },
+                Framing::Close => {
+                    if !available.is_empty() {
+                        push_chunk(&mut self.out, available);
+                        self.up_start = self.up_end;
+                    }
+                    false
+                }
+            };
+            if !self.out.is_empty()
+                && let Err(failed) = self.flush(terminate).await
+            {
+                return Err(match failed {
+                    WriteFailed::Terminated => Outcome::Terminated,
+                    WriteFailed::Io(_) => Outcome::Cut,
+                });
+            }
+            if finished {
+                return Ok(self.up_start == self.up_end);
+            }
+            // More of the body: read from the target, the stall bounded.
+            if self.up_start > 0 {
+                self.upbuf.copy_within(self.up_start..self.up_end, 0);
+                (self.up_start, self.up_end) = (0, self.up_end - self.up_start);
+            }
+            if self.up_end == self.upbuf.len() {
+                let grown = self.upbuf.len() * 2;
+                self.upbuf.resize(grown, 0);
+            }
+            let deadline = limit.map(|limit| Instant::now() + limit);
+            let (target, upbuf) = (&mut conn.stream, &mut self.upbuf[self.up_end..]);
+            let read = wait(
+                |cx| poll_read_into(target, upbuf, cx),
+                terminate,
+                None,
+                &mut self.timer,
+                deadline,
+            )
+            .await;
+            match read {
+                Waited::Ready(Ok(0)) if framing == Framing::Close => {
+                    self.out.extend_from_slice(b"0\r\n\r\n");
+                    return match self.flush(terminate).await {
+                        Ok(()) => Ok(false),
+                        Err(WriteFailed::Terminated) => Err(Outcome::Terminated),
+                        Err(WriteFailed::Io(_)) => Err(Outcome::Cut),
+                    };
+                }
+                Waited::Ready(Ok(0)) | Waited::Ready(Err(_)) => {
+                    debug!("the target closed before the end of the response body");
+                    return Err(Outcome::Cut);
+                }
+                Waited::Ready(Ok(n)) => self.up_end += n,
+                Waited::TimedOut => {
+                    debug!("the response body stalled");
+                    self.ctx.proxy.metrics.timed_out(Timeout::ResponseBody);
+                    return Err(Outcome::Cut);
+                }
+                Waited::Terminated | Waited::ListenersClosed => return Err(Outcome::Terminated),
+            }
+        }
+    }
+}
+
+/// How reading a response head ended.
+enum HeadRead {
+    Response(ResponsePlan),
+    /// The connection ended (or failed) before a byte of a response.
+    ClosedBeforeResponse,
+    /// Not a response hyper would take, or the connection ended within the head.
+    Bad,
+    /// No head within the response timeout.
+    TimedOut,
+    ClientGone,
+    Terminated,
+}

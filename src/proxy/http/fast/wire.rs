@@ -1,0 +1,895 @@
+//! The fast lane's wire format: which request heads it takes (and the head the target gets),
+//! how a target's response is framed (and the head the client gets), chunked bodies decoded,
+//! and the proxy's own short responses. No I/O here.
+
+use std::cell::RefCell;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use hyper::StatusCode;
+
+/// Request headers the lane parses; a request with more goes to hyper (which takes 100).
+const MAX_REQUEST_HEADERS: usize = 64;
+/// hyper's bound on a response's headers.
+const MAX_RESPONSE_HEADERS: usize = 100;
+/// A chunked response's trailer section is read and dropped (the client did not ask for
+/// trailers with `TE`); this bounds it.
+const MAX_TRAILERS: usize = 16 * 1024;
+/// A chunk-size line's extensions are skipped; this bounds them.
+const MAX_CHUNK_EXTENSIONS: usize = 4096;
+
+/// A request the lane takes.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct RequestPlan {
+    pub(super) head_len: usize,
+    pub(super) is_head: bool,
+    /// The client asked to close after this request.
+    pub(super) close: bool,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Planned {
+    Request(RequestPlan),
+    /// Not a whole head yet.
+    Partial,
+    /// Hyper's to serve.
+    Other,
+}
+
+/// Decides whether the head at the start of `buf` is the lane's; if it is, writes the head
+/// the target gets into `head`.
+pub(super) fn plan_request(buf: &[u8], close_target: bool, head: &mut Vec<u8>) -> Planned {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_REQUEST_HEADERS];
+    let mut request = httparse::Request::new(&mut headers);
+    let head_len = match request.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Planned::Partial,
+        Err(_) => return Planned::Other,
+    };
+    let (Some(method), Some(path), Some(1)) = (request.method, request.path, request.version)
+    else {
+        return Planned::Other;
+    };
+    let is_head = match method {
+        "GET" | "DELETE" | "OPTIONS" => false,
+        "HEAD" => true,
+        _ => return Planned::Other,
+    };
+    if !is_origin_form(path) {
+        return Planned::Other;
+    }
+    head.clear();
+    head.extend_from_slice(method.as_bytes());
+    head.push(b' ');
+    head.extend_from_slice(path.as_bytes());
+    head.extend_from_slice(b" HTTP/1.1\r\n");
+    let mut hosts = 0;
+    let mut close = false;
+    for header in request.headers.iter() {
+        match special(header.name) {
+            Special::Host => {
+                hosts += 1;
+                if !is_plain_authority(header.value) {
+                    return Planned::Other;
+                }
+            }
+            Special::Connection => {
+                for token in tokens(header.value) {
+                    if token.eq_ignore_ascii_case(b"close") {
+                        close = true;
+                    } else if !token.eq_ignore_ascii_case(b"keep-alive") {
+                        return Planned::Other;
+                    }
+                }
+                continue;
+            }
+            Special::HopByHop => continue,
+            Special::Framing | Special::Upgrade | Special::Expect => return Planned::Other,
+            Special::Date | Special::None => {}
+        }
+        push_header(head, header.name, header.value);
+    }
+    if hosts != 1 {
+        return Planned::Other;
+    }
+    if close_target {
+        head.extend_from_slice(b"connection: close\r\n");
+    }
+    head.extend_from_slice(b"\r\n");
+    Planned::Request(RequestPlan {
+        head_len,
+        is_head,
+        close,
+    })
+}
+
+/// How a response's body is delimited on the target's side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Framing {
+    None,
+    Length(u64),
+    Chunked,
+    /// Until the target closes.
+    Close,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct ResponsePlan {
+    pub(super) head_len: usize,
+    pub(super) code: u16,
+    pub(super) framing: Framing,
+    /// The target keeps the connection open after it.
+    pub(super) reusable: bool,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Parsed {
+    Response(ResponsePlan),
+    /// A 1xx head of this length, which hyper's client skips too.
+    Informational(usize),
+    Partial,
+    /// Not a response the hyper path would take (a 502).
+    Bad,
+}
+
+/// Reads the response head at the start of `buf` as hyper's client would, and writes the head
+/// the client gets into `out`.
+pub(super) fn plan_response(
+    buf: &[u8],
+    request_is_head: bool,
+    close: bool,
+    out: &mut Vec<u8>,
+) -> Parsed {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_RESPONSE_HEADERS];
+    let mut response = httparse::Response::new(&mut headers);
+    let head_len = match response.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Parsed::Partial,
+        Err(_) => return Parsed::Bad,
+    };
+    let (Some(code), Some(version)) = (response.code, response.version) else {
+        return Parsed::Bad;
+    };
+    match code {
+        // A switch of protocols nobody asked for.
+        101 => return Parsed::Bad,
+        100..=199 => return Parsed::Informational(head_len),
+        _ => {}
+    }
+    // What the framing and `Connection` headers say, in one pass.
+    let mut last_transfer_encoding: Option<&[u8]> = None;
+    let mut length: Option<u64> = None;
+    let mut bad_length = false;
+    let mut target_close = false;
+    let mut target_keep_alive = false;
+    let mut named: [&[u8]; 8] = [&[]; 8];
+    let mut named_count = 0;
+    let mut has_date = false;
+    for header in response.headers.iter() {
+        match special(header.name) {
+            Special::Framing if header.name.len() == 17 => {
+                last_transfer_encoding = Some(header.value);
+            }
+            Special::Framing => match content_length(header.value) {
+                Some(value) if length.is_none_or(|length| length == value) => {
+                    length = Some(value);
+                }
+                _ => bad_length = true,
+            },
+            Special::Connection => {
+                for token in tokens(header.value) {
+                    if token.eq_ignore_ascii_case(b"close") {
+                        target_close = true;
+                    } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                        target_keep_alive = true;
+                    } else if named_count < named.len() {
+                        named[named_count] = token;
+                        named_count += 1;
+                    } else {
+                        return Parsed::Bad;
+                    }
+                }
+            }
+            Special::Date => has_date = true,
+            _ => {}
+        }
+    }
+    let framing = if request_is_head || code == 204 || code == 304 {
+        Framing::None
+    } else if let Some(codings) = last_transfer_encoding {
+        if version == 0 {
+            return Parsed::Bad;
+        }
+        match tokens(codings).next_back() {
+            Some(last) if last.eq_ignore_ascii_case(b"chunked") => Framing::Chunked,
+            _ => Framing::Close,
+        }
+    } else if bad_length {
+        return Parsed::Bad;
+    } else if let Some(length) = length {
+        Framing::Length(length)
+    } else {
+        Framing::Close
+    };
+    let reusable =
+        !target_close && (version == 1 || target_keep_alive) && framing != Framing::Close;
+
+    out.extend_from_slice(b"HTTP/1.1 ");
+    push_decimal(out, u64::from(code));
+    out.push(b' ');
+    out.extend_from_slice(response.reason.unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for header in response.headers.iter() {
+        match special(header.name) {
+            Special::Framing if framing == Framing::None && header.name.len() == 14 => {}
+            Special::Framing => continue,
+            Special::Connection | Special::HopByHop | Special::Upgrade => continue,
+            _ if named[..named_count]
+                .iter()
+                .any(|name| name.eq_ignore_ascii_case(header.name.as_bytes())) =>
+            {
+                continue;
+            }
+            _ => {}
+        }
+        push_header(out, header.name, header.value);
+    }
+    match framing {
+        Framing::Length(length) => {
+            out.extend_from_slice(b"content-length: ");
+            push_decimal(out, length);
+            out.extend_from_slice(b"\r\n");
+        }
+        Framing::Chunked | Framing::Close => {
+            out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+        }
+        _ => {}
+    }
+    if close {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    if !has_date {
+        push_date(out);
+    }
+    out.extend_from_slice(b"\r\n");
+    Parsed::Response(ResponsePlan {
+        head_len,
+        code,
+        framing,
+        reusable,
+    })
+}
+
+/// Headers the lane treats apart from the others.
+#[derive(Debug, PartialEq, Eq)]
+enum Special {
+    None,
+    Host,
+    Date,
+    Connection,
+    /// `Content-Length` (14 bytes) or `Transfer-Encoding` (17).
+    Framing,
+    /// `Keep-Alive`, `Proxy-Connection`, `HTTP2-Settings`: dropped.
+    HopByHop,
+    /// `Upgrade`, `TE`: hop-by-hop, and a request with one is hyper's.
+    Upgrade,
+    /// A request with `Expect` is hyper's (it answers `100 Continue`).
+    Expect,
+}
+
+fn special(name: &str) -> Special {
+    let is = |known: &str| name.eq_ignore_ascii_case(known);
+    // Most names have a length none of these has.
+    match name.len() {
+        2 if is("te") => Special::Upgrade,
+        4 if is("host") => Special::Host,
+        4 if is("date") => Special::Date,
+        6 if is("expect") => Special::Expect,
+        7 if is("upgrade") => Special::Upgrade,
+        10 if is("connection") => Special::Connection,
+        10 if is("keep-alive") => Special::HopByHop,
+        14 if is("content-length") => Special::Framing,
+        14 if is("http2-settings") => Special::HopByHop,
+        16 if is("proxy-connection") => Special::HopByHop,
+        17 if is("transfer-encoding") => Special::Framing,
+        _ => Special::None,
+    }
+}
+
+/// `name: value`, the name lowercase as hyper writes it.
+fn push_header(out: &mut Vec<u8>, name: &str, value: &[u8]) {
+    out.extend(name.bytes().map(|byte| byte.to_ascii_lowercase()));
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// The comma-separated tokens of a header value, trimmed, empty ones left out.
+fn tokens(value: &[u8]) -> impl DoubleEndedIterator<Item = &[u8]> {
+    value
+        .split(|&byte| byte == b',')
+        .map(|token| token.trim_ascii())
+        .filter(|token| !token.is_empty())
+}
+
+/// A `Content-Length` value as hyper reads it: digits, or a list of equal ones.
+fn content_length(value: &[u8]) -> Option<u64> {
+    let mut length = None;
+    for part in value.split(|&byte| byte == b',') {
+        let part = part.trim_ascii();
+        if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let parsed: u64 = std::str::from_utf8(part).ok()?.parse().ok()?;
+        if length.is_some_and(|length| length != parsed) {
+            return None;
+        }
+        length = Some(parsed);
+    }
+    length
+}
+
+/// A request target in origin form with only the bytes hyper's URI parser takes as they are;
+/// anything else (a fragment, quotes, braces, bytes above ASCII) goes to hyper.
+fn is_origin_form(path: &str) -> bool {
+    let bytes = path.as_bytes();
+    if bytes.first() != Some(&b'/') || bytes.len() >= usize::from(u16::MAX) - 1 {
+        return false;
+    }
+    let mut query = false;
+    bytes.iter().all(|&byte| {
+        if byte == b'?' {
+            query = true;
+            return true;
+        }
+        matches!(byte, 0x21 | 0x24..=0x3B | 0x3D | 0x40..=0x5F | 0x61..=0x7A | 0x7C | 0x7E)
+            || (query && matches!(byte, 0x3C | 0x3E | 0x60 | 0x7B | 0x7D))
+    })
+}
+
+/// A `Host` of a DNS name or IPv4 address, or a bracketed IPv6 address, with an optional port:
+/// all of which hyper's authority parser takes. Anything else goes to hyper to judge.
+fn is_plain_authority(value: &[u8]) -> bool {
+    let (host_ok, port) = match value.strip_prefix(b"[") {
+        Some(rest) => match rest.iter().position(|&byte| byte == b']') {
+            Some(close) => (
+                close > 0
+                    && rest[..close]
+                        .iter()
+                        .all(|&byte| byte.is_ascii_hexdigit() || byte == b':' || byte == b'.'),
+                &rest[close + 1..],
+            ),
+            None => return false,
+        },
+        None => {
+            let end = value
+                .iter()
+                .position(|&byte| byte == b':')
+                .unwrap_or(value.len());
+            (
+                end > 0
+                    && value[..end]
+                        .iter()
+                        .all(|&byte| byte.is_ascii_alphanumeric() || byte == b'-' || byte == b'.'),
+                &value[end..],
+            )
+        }
+    };
+    let port_ok = match port.strip_prefix(b":") {
+        Some(digits) => (1..=5).contains(&digits.len()) && digits.iter().all(u8::is_ascii_digit),
+        None => port.is_empty(),
+    };
+    host_ok && port_ok
+}
+
+fn push_decimal(out: &mut Vec<u8>, mut value: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (value % 10) as u8;
+        value /= 10;
+        if value == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
+}
+
+/// One chunk of a chunked body.
+pub(super) fn push_chunk(out: &mut Vec<u8>, data: &[u8]) {
+    let mut digits = [0u8; 16];
+    let mut at = digits.len();
+    let mut value = data.len();
+    loop {
+        at -= 1;
+        digits[at] = b"0123456789abcdef"[value % 16];
+        value /= 16;
+        if value == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `date: ...`, formatted at most once a second (as hyper does).
+fn push_date(out: &mut Vec<u8>) {
+    thread_local! {
+        static DATE: RefCell<(u64, String)> = const { RefCell::new((0, String::new())) };
+    }
+    let now = SystemTime::now();
+    let second = now
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_secs();
+    DATE.with(|date| {
+        let mut date = date.borrow_mut();
+        if date.0 != second || date.1.is_empty() {
+            *date = (second, httpdate::fmt_http_date(now));
+        }
+        out.extend_from_slice(b"date: ");
+        out.extend_from_slice(date.1.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    });
+}
+
+/// The proxy's own short response, as the hyper path writes it.
+pub(super) fn error_response(out: &mut Vec<u8>, status: StatusCode, body: &str, close: bool) {
+    out.clear();
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\ncontent-type: text/plain; charset=utf-8\r\n");
+    if close {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"content-length: ");
+    push_decimal(out, body.len() as u64);
+    out.extend_from_slice(b"\r\n");
+    push_date(out);
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(body.as_bytes());
+}
+
+/// Where a chunked body's decoding is (RFC 9112 section 7.1), across reads.
+#[derive(Debug, Default)]
+enum ChunkState {
+    /// In a chunk-size line's digits (`size`, `digits` so far).
+    #[default]
+    SizeStart,
+    Size {
+        size: u64,
+        digits: u8,
+    },
+    /// Whitespace after the digits.
+    SizeSpace(u64),
+    /// In the extensions (`size`, bytes so far).
+    Extensions(u64, usize),
+    /// The size line's CR seen.
+    SizeLf(u64),
+    Data(u64),
+    DataCr,
+    DataLf,
+    /// At the start of a trailer line (or the final CRLF), `total` trailer bytes so far.
+    TrailerStart(usize),
+    Trailer(usize),
+    TrailerLf(usize),
+    EndLf,
+    Done,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct ChunkDecoder {
+    state: ChunkState,
+}
+
+impl ChunkDecoder {
+    /// Decodes what `input` holds, writing each piece of data as a chunk of its own into
+    /// `out`. Returns the bytes used and whether the body ended (its trailers, dropped, too).
+    pub(super) fn decode(
+        &mut self,
+        input: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<(usize, bool), &'static str> {
+        use ChunkState::*;
+        let mut at = 0;
+        while at < input.len() {
+            if let Data(left) = self.state {
+                let take = (input.len() - at).min(usize::try_from(left).unwrap_or(usize::MAX));
+                push_chunk(out, &input[at..at + take]);
+                at += take;
+                let left = left - take as u64;
+                self.state = if left == 0 { DataCr } else { Data(left) };
+                continue;
+            }
+            let byte = input[at];
+            at += 1;
+            self.state = match (std::mem::take(&mut self.state), byte) {
+                (SizeStart, byte) => match hex(byte) {
+                    Some(digit) => Size {
+                        size: u64::from(digit),
+                        digits: 1,
+                    },
+                    None => return Err("no chunk size"),
+                },
+                (Size { size, digits }, byte) => match hex(byte) {
+                    Some(_) if digits >= 16 => return Err("chunk size too large"),
+                    Some(digit) => Size {
+                        size: (size << 4) | u64::from(digit),
+                        digits: digits + 1,
+                    },
+                    None => match byte {
+                        b' ' | b'\t' => SizeSpace(size),
+                        b';' => Extensions(size, 0),
+                        b'\r' => SizeLf(size),
+                        _ => return Err("bad chunk size"),
+                    },
+                },
+                (SizeSpace(size), b' ' | b'\t') => SizeSpace(size),
+                (SizeSpace(size), b';') => Extensions(size, 0),
+                (SizeSpace(size), b'\r') => SizeLf(size),
+                (Extensions(_, length), _) if length >= MAX_CHUNK_EXTENSIONS => {
+                    return Err("chunk extensions too long");
+                }
+                (Extensions(size, _), b'\r') => SizeLf(size),
+                (Extensions(_, _), b'\n') => return Err("bare LF in a chunk extension"),
+                (Extensions(size, length), _) => Extensions(size, length + 1),
+                (SizeLf(0), b'\n') => TrailerStart(0),
+                (SizeLf(size), b'\n') => Data(size),
+                (DataCr, b'\r') => DataLf,
+                (DataLf, b'\n') => SizeStart,
+                (TrailerStart(_), b'\r') => EndLf,
+                (TrailerStart(total) | Trailer(total), _) if total >= MAX_TRAILERS => {
+                    return Err("trailers too large");
+                }
+                (Trailer(total), b'\r') => TrailerLf(total + 1),
+                (TrailerStart(_) | Trailer(_), b'\n') => return Err("bare LF in trailers"),
+                (TrailerStart(total) | Trailer(total), _) => Trailer(total + 1),
+                (TrailerLf(total), b'\n') => TrailerStart(total + 1),
+                (EndLf, b'\n') => {
+                    self.state = Done;
+                    return Ok((at, true));
+                }
+                _ => return Err("bad chunk framing"),
+            };
+        }
+        Ok((at, matches!(self.state, Done)))
+    }
+}
+
+fn hex(byte: u8) -> Option<u8> {
+    match byte {
+        b'0'..=b'9' => Some(byte - b'0'),
+        b'a'..=b'f' => Some(byte - b'a' + 10),
+        b'A'..=b'F' => Some(byte - b'A' + 10),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(raw: &str, closing: bool) -> (Planned, String) {
+        let mut head = Vec::new();
+        let planned = plan_request(raw.as_bytes(), closing, &mut head);
+        (planned, String::from_utf8(head).unwrap())
+    }
+
+    #[test]
+    fn the_lane_takes_a_plain_request_and_rewrites_its_head_as_hyper_would() {
+        let raw = "GET /a?b=c HTTP/1.1\r\nHost: app.test:8080\r\nUser-Agent: x\r\n\
+                   Connection: keep-alive\r\nKeep-Alive: timeout=5\r\nProxy-Connection: x\r\n\r\nNEXT";
+        let (planned, head) = request(raw, false);
+        assert_eq!(
+            planned,
+            Planned::Request(RequestPlan {
+                head_len: raw.len() - 4,
+                is_head: false,
+                close: false
+            })
+        );
+        assert_eq!(
+            head,
+            "GET /a?b=c HTTP/1.1\r\nhost: app.test:8080\r\nuser-agent: x\r\n\r\n"
+        );
+        let (planned, head) = request(
+            "HEAD / HTTP/1.1\r\nhost: [::1]\r\nconnection: Close\r\n\r\n",
+            true,
+        );
+        assert!(matches!(
+            planned,
+            Planned::Request(RequestPlan {
+                is_head: true,
+                close: true,
+                ..
+            })
+        ));
+        assert_eq!(
+            head,
+            "HEAD / HTTP/1.1\r\nhost: [::1]\r\nconnection: close\r\n\r\n"
+        );
+    }
+
+    #[test]
+    fn anything_else_goes_to_hyper() {
+        let others = [
+            "POST / HTTP/1.1\r\nHost: a\r\n\r\n",
+            "CONNECT a:443 HTTP/1.1\r\nHost: a:443\r\n\r\n",
+            "GET / HTTP/1.0\r\nHost: a\r\n\r\n",
+            "GET http://a/ HTTP/1.1\r\nHost: a\r\n\r\n",
+            "GET * HTTP/1.1\r\nHost: a\r\n\r\n",
+            "GET / HTTP/1.1\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: user@a\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a:\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a:123456\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a b\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nTE: trailers\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nConnection: x-secret\r\n\r\n",
+            "GET /a#b HTTP/1.1\r\nHost: a\r\n\r\n",
+            "GET /{x} HTTP/1.1\r\nHost: a\r\n\r\n",
+            "GET /\"x HTTP/1.1\r\nHost: a\r\n\r\n",
+            "GET /\u{e9} HTTP/1.1\r\nHost: a\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nX: a\0b\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\n folded\r\n\r\n",
+            "GE T / HTTP/1.1\r\nHost: a\r\n\r\n",
+        ];
+        for raw in others {
+            assert_eq!(request(raw, false).0, Planned::Other, "{raw:?}");
+        }
+        let many: String = (0..MAX_REQUEST_HEADERS)
+            .map(|i| format!("X-{i}: y\r\n"))
+            .collect();
+        let raw = format!("GET / HTTP/1.1\r\nHost: a\r\n{many}\r\n");
+        assert_eq!(request(&raw, false).0, Planned::Other, "too many headers");
+        // A query may carry what a path may not.
+        assert!(matches!(
+            request("GET /?q={x}<y> HTTP/1.1\r\nHost: a\r\n\r\n", false).0,
+            Planned::Request(_)
+        ));
+        assert_eq!(
+            request("GET / HTTP/1.1\r\nHost: a\r\n", false).0,
+            Planned::Partial
+        );
+        assert_eq!(request("", false).0, Planned::Partial);
+    }
+
+    fn response(raw: &str, head: bool, close: bool) -> (Parsed, String) {
+        let mut out = Vec::new();
+        let parsed = plan_response(raw.as_bytes(), head, close, &mut out);
+        (parsed, String::from_utf8(out).unwrap())
+    }
+
+    fn framing(raw: &str, head: bool) -> Option<(Framing, bool)> {
+        match response(raw, head, false).0 {
+            Parsed::Response(plan) => Some((plan.framing, plan.reusable)),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn responses_are_framed_as_hyper_reads_them() {
+        let date = "Date: Thu, 01 Jan 2026 00:00:00 GMT\r\n";
+        let (parsed, head) = response(
+            &format!(
+                "HTTP/1.1 200 Fine\r\nServer: s\r\n{date}Content-Length: 2\r\nKeep-Alive: timeout=5\r\n\r\nok"
+            ),
+            false,
+            false,
+        );
+        assert!(matches!(
+            parsed,
+            Parsed::Response(ResponsePlan {
+                code: 200,
+                framing: Framing::Length(2),
+                reusable: true,
+                ..
+            })
+        ));
+        assert_eq!(
+            head,
+            format!(
+                "HTTP/1.1 200 Fine\r\nserver: s\r\n{}content-length: 2\r\n\r\n",
+                date.to_lowercase().replacen(
+                    "thu, 01 jan 2026 00:00:00 gmt",
+                    "Thu, 01 Jan 2026 00:00:00 GMT",
+                    1
+                )
+            )
+        );
+        type Case = (&'static str, bool, Option<(Framing, bool)>);
+        let cases: [Case; 14] = [
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 5, 5\r\n\r\n",
+                false,
+                Some((Framing::Length(5), true)),
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n",
+                false,
+                None,
+            ),
+            ("HTTP/1.1 200 OK\r\ncontent-length: +5\r\n\r\n", false, None),
+            (
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 5\r\n\r\n",
+                false,
+                Some((Framing::Chunked, true)),
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+                false,
+                Some((Framing::Close, false)),
+            ),
+            (
+                "HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+                false,
+                None,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\n\r\n",
+                false,
+                Some((Framing::Close, false)),
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\n",
+                false,
+                Some((Framing::Length(5), false)),
+            ),
+            (
+                "HTTP/1.0 200 OK\r\ncontent-length: 5\r\n\r\n",
+                false,
+                Some((Framing::Length(5), false)),
+            ),
+            (
+                "HTTP/1.0 200 OK\r\ncontent-length: 5\r\nconnection: keep-alive\r\n\r\n",
+                false,
+                Some((Framing::Length(5), true)),
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: nope\r\n\r\n",
+                true,
+                Some((Framing::None, true)),
+            ),
+            (
+                "HTTP/1.1 204 No Content\r\n\r\n",
+                false,
+                Some((Framing::None, true)),
+            ),
+            (
+                "HTTP/1.1 304 Not Modified\r\ncontent-length: 9\r\n\r\n",
+                false,
+                Some((Framing::None, true)),
+            ),
+            (
+                "HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\n",
+                false,
+                None,
+            ),
+        ];
+        for (raw, head, expected) in cases {
+            assert_eq!(framing(raw, head), expected, "{raw:?}");
+        }
+        assert_eq!(
+            response(
+                "HTTP/1.1 103 Early Hints\r\nlink: x\r\n\r\nHTTP/1.1 200",
+                false,
+                false
+            )
+            .0,
+            Parsed::Informational(37)
+        );
+        assert_eq!(
+            response("HTTP/1.1 200 OK\r\n", false, false).0,
+            Parsed::Partial
+        );
+        assert_eq!(
+            response("HTTP/1.1 200 OK\r\nbad header\r\n\r\n", false, false).0,
+            Parsed::Bad
+        );
+    }
+
+    #[test]
+    fn the_clients_response_head_loses_hop_by_hop_headers_and_gets_its_own_framing() {
+        let (_, head) = response(
+            "HTTP/1.1 200 OK\r\nConnection: x-hop, keep-alive\r\nX-Hop: 1\r\nX-Kept: 2\r\nUpgrade: y\r\nTE: z\r\n\
+             Transfer-Encoding: chunked\r\nContent-Length: 9\r\nHTTP2-Settings: q\r\n\r\n",
+            false,
+            true,
+        );
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\nx-kept: 2\r\ntransfer-encoding: chunked\r\nconnection: close\r\ndate: "), "{head}");
+        assert!(head.ends_with(" GMT\r\n\r\n"), "{head}");
+        // A HEAD response keeps the length the target announced.
+        let (_, head) = response(
+            "HTTP/1.1 200 OK\r\nDate: d\r\nContent-Length: 42\r\n\r\n",
+            true,
+            false,
+        );
+        assert_eq!(
+            head,
+            "HTTP/1.1 200 OK\r\ndate: d\r\ncontent-length: 42\r\n\r\n"
+        );
+    }
+
+    fn dechunk(input: &[u8], step: usize) -> Result<(Vec<u8>, usize), &'static str> {
+        let mut decoder = ChunkDecoder::default();
+        let mut out = Vec::new();
+        let mut at = 0;
+        while at < input.len() {
+            let end = (at + step).min(input.len());
+            let (used, done) = decoder.decode(&input[at..end], &mut out)?;
+            if done {
+                return Ok((out, at + used));
+            }
+            assert_eq!(used, end - at, "an unfinished body leaves no byte unused");
+            at = end;
+        }
+        Err("unfinished")
+    }
+
+    /// The chunks the client gets, read back.
+    fn data_of(chunks: &[u8]) -> Vec<u8> {
+        let mut data = Vec::new();
+        let mut rest = chunks;
+        while !rest.is_empty() {
+            let line_end = rest.windows(2).position(|w| w == b"\r\n").unwrap();
+            let size =
+                usize::from_str_radix(std::str::from_utf8(&rest[..line_end]).unwrap(), 16).unwrap();
+            data.extend_from_slice(&rest[line_end + 2..line_end + 2 + size]);
+            rest = &rest[line_end + 4 + size..];
+        }
+        data
+    }
+
+    #[test]
+    fn chunked_bodies_decode_alike_however_they_are_split() {
+        let body = b"5;ext=1\r\nhello\r\n6 \r\n world\r\n0\r\nX-Trailer: t\r\n\r\nAFTER";
+        for step in 1..body.len() {
+            let (chunks, used) = dechunk(body, step).unwrap();
+            assert_eq!(used, body.len() - 5, "step {step}");
+            assert_eq!(data_of(&chunks), b"hello world", "step {step}");
+        }
+        let bad: [&[u8]; 7] = [
+            b"5\nhello\r\n0\r\n\r\n",
+            b"x\r\n",
+            b"5\r\nhelloX\r\n",
+            b"fffffffffffffffff\r\n",
+            b"5;a\nb\r\nhello\r\n",
+            b"0\r\nX: y\n\r\n",
+            b"\r\n",
+        ];
+        for input in bad {
+            assert!(
+                dechunk(input, input.len()).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(input)
+            );
+        }
+        let long_extension = format!("1;{}\r\n", "e".repeat(MAX_CHUNK_EXTENSIONS + 1));
+        assert!(dechunk(long_extension.as_bytes(), 64).is_err());
+    }
+
+    #[test]
+    fn error_responses_read_like_the_hyper_paths() {
+        let mut out = Vec::new();
+        error_response(
+            &mut out,
+            StatusCode::BAD_GATEWAY,
+            "bad gateway: x failed to respond\n",
+            true,
+        );
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.starts_with("HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\ncontent-length: 33\r\ndate: "), "{text}");
+        assert!(
+            text.ends_with("\r\n\r\nbad gateway: x failed to respond\n"),
+            "{text}"
+        );
+    }
+}
