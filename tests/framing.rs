@@ -6,8 +6,8 @@ mod support;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
 
-use support::Proxy;
 use support::backend::{Backend, WireResponse, read_response, send_raw};
+use support::{PATIENCE, Proxy, skip, wait_until};
 
 fn proxy_to(backend: &Backend) -> Proxy {
     Proxy::start(&["--inbound", &format!("127.0.0.1:0={}/http", backend.addr)])
@@ -238,4 +238,238 @@ fn a_malformed_chunk_is_the_clients_fault() {
             "{what}: the target got {bytes:?}, more than the valid part {valid:?}"
         );
     }
+}
+
+/// HAProxy in `mode http` in front of `target`, listening on the returned address.
+struct Haproxy {
+    child: std::process::Child,
+    addr: SocketAddr,
+    _dir: std::path::PathBuf,
+}
+
+impl Haproxy {
+    fn start(target: SocketAddr) -> Haproxy {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let dir =
+            std::env::temp_dir().join(format!("lameduck-haproxy-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("haproxy.cfg");
+        std::fs::write(
+            &config,
+            format!(
+                "global\n    nbthread 1\ndefaults\n    mode http\n    timeout connect 5s\n    \
+                 timeout client 5s\n    timeout server 5s\nfrontend reference\n    bind {addr}\n    \
+                 default_backend app\nbackend app\n    server app {target}\n"
+            ),
+        )
+        .unwrap();
+        let child = std::process::Command::new("haproxy")
+            .args(["-db", "-f"])
+            .arg(&config)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start haproxy");
+        wait_until("haproxy listening", PATIENCE, || {
+            std::net::TcpStream::connect(addr).is_ok()
+        });
+        Haproxy {
+            child,
+            addr,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Haproxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self._dir);
+    }
+}
+
+/// What one forwarder did with one hostile request: the status the client got first (0 for
+/// none), and the paths of the requests that reached the app whole (a request whose body was
+/// cut short or malformed on the way is not one).
+fn outcome(addr: SocketAddr, backend: &Backend, raw: &[u8]) -> (u16, Vec<String>) {
+    let before = backend.seen().len();
+    let mut client = send_raw(addr, raw);
+    client
+        .set_read_timeout(Some(std::time::Duration::from_secs(2)))
+        .unwrap();
+    let mut answers = Vec::new();
+    let _ = client.read_to_end(&mut answers);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let text = String::from_utf8_lossy(&answers);
+    let status = text
+        .strip_prefix("HTTP/1.1 ")
+        .and_then(|rest| rest.get(..3))
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    let paths = backend.seen()[before..]
+        .iter()
+        .filter(|seen| seen.complete)
+        .map(|seen| seen.path.clone())
+        .collect();
+    (status, paths)
+}
+
+/// The request-smuggling vectors, each followed by a request that must never reach the app as
+/// a request of its own unless both forwarders read it as a pipelined one: every one that
+/// HAProxy refuses, lameduck refuses too (no request reaches the app whole: bodies are
+/// streamed, so the head and the valid chunks before a malformed one may, never the body's
+/// end), and lameduck never lets the follower through where HAProxy does not. The table of
+/// both forwarders' answers is printed.
+#[test]
+fn every_smuggling_vector_haproxy_refuses_is_refused_too() {
+    let installed = std::process::Command::new("haproxy")
+        .arg("-v")
+        .output()
+        .is_ok_and(|output| output.status.success());
+    if !installed {
+        return skip(
+            "every_smuggling_vector_haproxy_refuses_is_refused_too",
+            "haproxy (the reference) is not installed",
+        );
+    }
+    let follower = "GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n";
+    // The first four are requests without a body as the fast lane sees them first.
+    let vectors: [(&str, &str); 26] = [
+        (
+            "GET, bare LF line ends",
+            "GET /v HTTP/1.1\nHost: x\nX-A: b\n\n",
+        ),
+        (
+            "GET, a folded header line",
+            "GET /v HTTP/1.1\r\nHost: x\r\nX-Folded: a\r\n b\r\n\r\n",
+        ),
+        (
+            "GET, a space before the colon",
+            "GET /v HTTP/1.1\r\nHost : x\r\n\r\n",
+        ),
+        (
+            "GET, Content-Length and Transfer-Encoding",
+            "GET /v HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        ),
+        (
+            "Content-Length then Transfer-Encoding",
+            "POST /v HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        ),
+        (
+            "Transfer-Encoding then Content-Length",
+            "POST /v HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n0\r\n\r\n",
+        ),
+        (
+            "chunked, identity",
+            "POST /v HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, identity\r\n\r\n0\r\n\r\n",
+        ),
+        (
+            "xchunked",
+            "POST /v HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: xchunked\r\n\r\n0\r\n\r\n",
+        ),
+        (
+            "a space before the colon",
+            "POST /v HTTP/1.1\r\nHost: x\r\nTransfer-Encoding : chunked\r\n\r\n0\r\n\r\n",
+        ),
+        (
+            "a vertical tab before the value",
+            "POST /v HTTP/1.1\r\nHost: x\r\nTransfer-Encoding:\x0bchunked\r\n\r\n0\r\n\r\n",
+        ),
+        (
+            "Transfer-Encoding folded (obs-fold)",
+            "POST /v HTTP/1.1\r\nHost: x\r\nTransfer-Encoding:\r\n chunked\r\n\r\n0\r\n\r\n",
+        ),
+        (
+            "a folded header line",
+            "POST /v HTTP/1.1\r\nHost: x\r\nX-Folded: a\r\n b\r\nContent-Length: 0\r\n\r\n",
+        ),
+        (
+            "Transfer-Encoding twice, unknown last",
+            "POST /v HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: x\r\n\r\n0\r\n\r\n",
+        ),
+        (
+            "Content-Length with a sign",
+            "POST /v HTTP/1.1\r\nHost: x\r\nContent-Length: +3\r\n\r\nabc",
+        ),
+        (
+            "Content-Length in hex",
+            "POST /v HTTP/1.1\r\nHost: x\r\nContent-Length: 0x3\r\n\r\nabc",
+        ),
+        (
+            "two different Content-Lengths",
+            "POST /v HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 40\r\n\r\nabc",
+        ),
+        (
+            "a list of different lengths",
+            "POST /v HTTP/1.1\r\nHost: x\r\nContent-Length: 3, 40\r\n\r\nabc",
+        ),
+        (
+            "a bare LF ending a header line",
+            "POST /v HTTP/1.1\r\nHost: x\r\nContent-Length: 3\n\r\nabc",
+        ),
+        (
+            "a bare CR in a header line",
+            "POST /v HTTP/1.1\r\nHost: x\r\nX: a\rb\r\nContent-Length: 3\r\n\r\nabc",
+        ),
+        (
+            "a NUL in a header value",
+            "POST /v HTTP/1.1\r\nHost: x\r\nX: a\0b\r\nContent-Length: 3\r\n\r\nabc",
+        ),
+        (
+            "a chunk size that overflows",
+            "POST /v HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff1\r\n\r\n",
+        ),
+        (
+            "a chunk size with 0x",
+            "POST /v HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0x0\r\n\r\n",
+        ),
+        (
+            "a bare LF after a chunk size",
+            "POST /v HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\n\r\n",
+        ),
+        (
+            "more chunk data than its size",
+            "POST /v HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nab\r\n0\r\n\r\n",
+        ),
+        (
+            "a space inside the method",
+            "G ET /v HTTP/1.1\r\nHost: x\r\n\r\n",
+        ),
+        (
+            "HTTP/1.0 with Transfer-Encoding",
+            "POST /v HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        ),
+    ];
+    let (ours, theirs) = (Backend::start(), Backend::start());
+    let proxy = proxy_to(&ours);
+    let haproxy = Haproxy::start(theirs.addr);
+    let mut table = String::new();
+    for (what, request) in vectors {
+        let raw = format!("{request}{follower}");
+        let (their_status, their_paths) = outcome(haproxy.addr, &theirs, raw.as_bytes());
+        let (our_status, our_paths) = outcome(proxy.inbound[0], &ours, raw.as_bytes());
+        table.push_str(&format!(
+            "{what:40} haproxy {their_status:3} {their_paths:?}, lameduck {our_status:3} {our_paths:?}\n"
+        ));
+        if their_paths.is_empty() {
+            assert!(
+                our_paths.is_empty() && our_status >= 400,
+                "{what}: HAProxy refused it, lameduck answered {our_status} and the app saw \
+                 {our_paths:?}\n{table}"
+            );
+        }
+        if our_paths.iter().any(|path| path == "/smuggled") {
+            assert!(
+                their_paths.iter().any(|path| path == "/smuggled"),
+                "{what}: the follower reached the app through lameduck only\n{table}"
+            );
+        }
+    }
+    eprintln!("{table}");
 }

@@ -28,6 +28,8 @@ pub struct Seen {
     pub version: String,
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
+    /// The body was read to its end (a body cut short or malformed reads as empty).
+    pub complete: bool,
 }
 
 impl Seen {
@@ -173,15 +175,13 @@ async fn handle(
         .collect();
     let upgrade = hyper::upgrade::on(&mut request);
     // `/early` answers without reading the request body (an app rejecting an upload early).
-    let body = if path == "/ws" || path == "/early" {
-        Vec::new()
+    let (body, complete) = if path == "/ws" || path == "/early" {
+        (Vec::new(), true)
     } else {
-        request
-            .into_body()
-            .collect()
-            .await
-            .map(|b| b.to_bytes().to_vec())
-            .unwrap_or_default()
+        match request.into_body().collect().await {
+            Ok(body) => (body.to_bytes().to_vec(), true),
+            Err(_) => (Vec::new(), false),
+        }
     };
     let seen = Seen {
         method,
@@ -191,6 +191,7 @@ async fn handle(
         version,
         headers,
         body: body.clone(),
+        complete,
     };
     recorded.lock().unwrap().push(seen);
 

@@ -17,6 +17,7 @@
 //! once, 502/504 answered with the same bodies, `Date` added when the target sent none, the
 //! client's EOF while waiting cancelling the request, and the same metrics and bounds.
 
+use std::cell::RefCell;
 use std::future::{Future, poll_fn};
 use std::io;
 use std::os::fd::AsRawFd;
@@ -75,8 +76,8 @@ pub(super) async fn serve(
     let max_head = ctx.proxy.http.max_header_size;
     let mut head_since: Option<Instant> = None;
     loop {
-        let pending = &lane.inbuf[lane.start..lane.end];
-        let request = match plan_request(pending, ctx.closing(), &mut lane.request_head) {
+        let pending = &lane.buf.inbuf[lane.start..lane.end];
+        let request = match plan_request(pending, ctx.closing(), &mut lane.buf.request_head) {
             Planned::Request(request) => request,
             Planned::Other => return lane.into_hyper(),
             Planned::Partial if lane.pending().len() >= max_head => return lane.into_hyper(),
@@ -235,42 +236,108 @@ async fn write_all(
 struct FastLane<'a> {
     ctx: &'a Arc<ConnCtx>,
     client: TcpStream,
-    /// The client's bytes; `inbuf[start..end]` are not used yet.
-    inbuf: Vec<u8>,
+    buf: Buffers,
+    /// `buf.inbuf[start..end]`: the client's bytes not used yet.
     start: usize,
     end: usize,
-    /// The target's bytes; `upbuf[up_start..up_end]` are not used yet.
-    upbuf: Vec<u8>,
+    /// `buf.upbuf[up_start..up_end]`: the target's bytes not used yet.
     up_start: usize,
     up_end: usize,
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+/// A lane's buffers. When the lane ends they go to the next lane on the same thread (a few are
+/// kept): no allocation and no zeroing per lane, and the small allocations of a parked
+/// connection do not land in freed buffers and split them.
+#[derive(Default)]
+struct Buffers {
+    /// The client's bytes.
+    inbuf: Vec<u8>,
+    /// The target's bytes (allocated at the first request).
+    upbuf: Vec<u8>,
     /// The request's head as the target gets it.
     request_head: Vec<u8>,
     /// What goes to the client next.
     out: Vec<u8>,
-    timer: Option<Pin<Box<Sleep>>>,
+}
+
+/// How many sets of buffers a thread keeps for its next lanes.
+const SPARE_BUFFERS: usize = 8;
+
+/// A set of buffers kept for a next lane: [`Buffers`]' vectors, without its `Drop`.
+struct Spare(Vec<u8>, Vec<u8>, Vec<u8>, Vec<u8>);
+
+thread_local! {
+    static SPARE: RefCell<Vec<Spare>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Buffers {
+    fn take() -> Buffers {
+        match SPARE.try_with(|spare| spare.borrow_mut().pop()) {
+            Ok(Some(Spare(inbuf, upbuf, request_head, out))) => Buffers {
+                inbuf,
+                upbuf,
+                request_head,
+                out,
+            },
+            _ => Buffers {
+                inbuf: vec![0; BUFFER],
+                upbuf: Vec::new(),
+                request_head: Vec::new(),
+                out: Vec::new(),
+            },
+        }
+    }
+}
+
+impl Drop for Buffers {
+    fn drop(&mut self) {
+        // Only a set of the usual sizes is kept (one grown for a large head is not).
+        let usual = self.inbuf.len() == BUFFER
+            && matches!(self.upbuf.len(), 0 | BUFFER)
+            && self.request_head.capacity() <= BUFFER
+            && self.out.capacity() <= BUFFER;
+        if !usual {
+            return;
+        }
+        self.request_head.clear();
+        self.out.clear();
+        let set = Spare(
+            std::mem::take(&mut self.inbuf),
+            std::mem::take(&mut self.upbuf),
+            std::mem::take(&mut self.request_head),
+            std::mem::take(&mut self.out),
+        );
+        let _ = SPARE.try_with(|spare| {
+            let mut spare = spare.borrow_mut();
+            if spare.len() < SPARE_BUFFERS {
+                spare.push(set);
+            }
+        });
+    }
 }
 
 impl<'a> FastLane<'a> {
     fn new(client: TcpStream, buffered: &[u8], ctx: &'a Arc<ConnCtx>) -> FastLane<'a> {
-        let mut inbuf = vec![0; BUFFER.max(buffered.len())];
-        inbuf[..buffered.len()].copy_from_slice(buffered);
+        let mut buf = Buffers::take();
+        if buf.inbuf.len() < buffered.len() {
+            buf.inbuf.resize(buffered.len(), 0);
+        }
+        buf.inbuf[..buffered.len()].copy_from_slice(buffered);
         FastLane {
             ctx,
             client,
-            inbuf,
+            buf,
             start: 0,
             end: buffered.len(),
-            upbuf: Vec::new(),
             up_start: 0,
             up_end: 0,
-            request_head: Vec::new(),
-            out: Vec::new(),
             timer: None,
         }
     }
 
     fn pending(&self) -> &[u8] {
-        &self.inbuf[self.start..self.end]
+        &self.buf.inbuf[self.start..self.end]
     }
 
     fn into_hyper(self) -> Lane {
@@ -294,16 +361,16 @@ impl<'a> FastLane<'a> {
     fn make_room(&mut self, limit: usize) -> bool {
         if self.start == self.end {
             (self.start, self.end) = (0, 0);
-        } else if self.end == self.inbuf.len() && self.start > 0 {
-            self.inbuf.copy_within(self.start..self.end, 0);
+        } else if self.end == self.buf.inbuf.len() && self.start > 0 {
+            self.buf.inbuf.copy_within(self.start..self.end, 0);
             (self.start, self.end) = (0, self.end - self.start);
         }
-        if self.end == self.inbuf.len() {
-            if self.inbuf.len() >= limit {
+        if self.end == self.buf.inbuf.len() {
+            if self.buf.inbuf.len() >= limit {
                 return false;
             }
-            let grown = (self.inbuf.len() * 2).min(limit);
-            self.inbuf.resize(grown, 0);
+            let grown = (self.buf.inbuf.len() * 2).min(limit);
+            self.buf.inbuf.resize(grown, 0);
         }
         true
     }
@@ -317,7 +384,7 @@ impl<'a> FastLane<'a> {
         limit: usize,
     ) -> Waited<io::Result<usize>> {
         self.make_room(limit);
-        let (client, buf) = (&mut self.client, &mut self.inbuf[self.end..]);
+        let (client, buf) = (&mut self.client, &mut self.buf.inbuf[self.end..]);
         let read = wait(
             |cx| poll_read_into(client, buf, cx),
             terminate,
@@ -335,14 +402,14 @@ impl<'a> FastLane<'a> {
 
     /// Writes `out` to the client.
     async fn flush(&mut self, terminate: &mut Pin<&mut Cancelled<'_>>) -> Result<(), WriteFailed> {
-        let written = write_all(&mut self.client, &self.out, terminate, &mut self.timer).await;
+        let written = write_all(&mut self.client, &self.buf.out, terminate, &mut self.timer).await;
         if written.is_ok() {
             self.ctx
                 .conn()
                 .bytes_to_peer
-                .fetch_add(self.out.len() as u64, Ordering::Relaxed);
+                .fetch_add(self.buf.out.len() as u64, Ordering::Relaxed);
         }
-        self.out.clear();
+        self.buf.out.clear();
         written
     }
 
@@ -406,7 +473,7 @@ impl<'a> FastLane<'a> {
             };
             let sent = write_all(
                 &mut conn.stream,
-                &self.request_head,
+                &self.buf.request_head,
                 terminate,
                 &mut self.timer,
             )
@@ -488,7 +555,7 @@ impl<'a> FastLane<'a> {
     ) -> Outcome {
         let close = request.close || self.ctx.closing();
         in_flight.record_code(self.ctx, status.as_u16());
-        error_response(&mut self.out, status, body, close);
+        error_response(&mut self.buf.out, status, body, close);
         match self.flush(terminate).await {
             Ok(()) => Outcome::KeepAlive,
             Err(WriteFailed::Terminated) => Outcome::Terminated,
@@ -505,19 +572,19 @@ impl<'a> FastLane<'a> {
         deadline: Option<Instant>,
         terminate: &mut Pin<&mut Cancelled<'_>>,
     ) -> HeadRead {
-        if self.upbuf.is_empty() {
-            self.upbuf = vec![0; BUFFER];
+        if self.buf.upbuf.is_empty() {
+            self.buf.upbuf = vec![0; BUFFER];
         }
         (self.up_start, self.up_end) = (0, 0);
         let mut read_any = false;
         loop {
             if self.up_end > self.up_start {
-                self.out.clear();
+                self.buf.out.clear();
                 // Asked as late as possible: a drain that began while the target worked closes
                 // the connection after this response.
                 let close = request.close || self.ctx.closing();
-                let bytes = &self.upbuf[self.up_start..self.up_end];
-                match plan_response(bytes, request.is_head, close, &mut self.out) {
+                let bytes = &self.buf.upbuf[self.up_start..self.up_end];
+                match plan_response(bytes, request.is_head, close, &mut self.buf.out) {
                     Parsed::Response(response) => {
                         self.up_start += response.head_len;
                         return HeadRead::Response(response);
@@ -531,21 +598,21 @@ impl<'a> FastLane<'a> {
                 }
             }
             if self.up_start > 0 {
-                self.upbuf.copy_within(self.up_start..self.up_end, 0);
+                self.buf.upbuf.copy_within(self.up_start..self.up_end, 0);
                 (self.up_start, self.up_end) = (0, self.up_end - self.up_start);
             }
-            if self.up_end == self.upbuf.len() {
-                if self.upbuf.len() >= MAX_RESPONSE_HEAD {
+            if self.up_end == self.buf.upbuf.len() {
+                if self.buf.upbuf.len() >= MAX_RESPONSE_HEAD {
                     return HeadRead::Bad;
                 }
-                let grown = (self.upbuf.len() * 2).min(MAX_RESPONSE_HEAD);
-                self.upbuf.resize(grown, 0);
+                let grown = (self.buf.upbuf.len() * 2).min(MAX_RESPONSE_HEAD);
+                self.buf.upbuf.resize(grown, 0);
             }
             // The client is watched while nothing of a next request is buffered (as hyper
             // does): its EOF means it gave up on this one.
             let watch_client = self.start == self.end && self.make_room(BUFFER);
-            let (client, inbuf) = (&mut self.client, &mut self.inbuf[self.end..]);
-            let (target, upbuf) = (&mut conn.stream, &mut self.upbuf[self.up_end..]);
+            let (client, inbuf) = (&mut self.client, &mut self.buf.inbuf[self.end..]);
+            let (target, upbuf) = (&mut conn.stream, &mut self.buf.upbuf[self.up_end..]);
             let read = wait(
                 |cx| {
                     if let Poll::Ready(read) = poll_read_into(target, upbuf, cx) {
@@ -600,23 +667,23 @@ impl<'a> FastLane<'a> {
         };
         let mut chunks = ChunkDecoder::default();
         loop {
-            let available = &self.upbuf[self.up_start..self.up_end];
+            let available = &self.buf.upbuf[self.up_start..self.up_end];
             let finished = match framing {
                 Framing::None => true,
                 Framing::Length(_) => {
                     let take = available
                         .len()
                         .min(usize::try_from(remaining).unwrap_or(usize::MAX));
-                    self.out.extend_from_slice(&available[..take]);
+                    self.buf.out.extend_from_slice(&available[..take]);
                     self.up_start += take;
                     remaining -= take as u64;
                     remaining == 0
                 }
-                Framing::Chunked => match chunks.decode(available, &mut self.out) {
+                Framing::Chunked => match chunks.decode(available, &mut self.buf.out) {
                     Ok((used, done)) => {
                         self.up_start += used;
                         if done {
-                            self.out.extend_from_slice(b"0\r\n\r\n");
+                            self.buf.out.extend_from_slice(b"0\r\n\r\n");
                         }
                         done
                     }
@@ -628,13 +695,13 @@ impl<'a> FastLane<'a> {
                 },
                 Framing::Close => {
                     if !available.is_empty() {
-                        push_chunk(&mut self.out, available);
+                        push_chunk(&mut self.buf.out, available);
                         self.up_start = self.up_end;
                     }
                     false
                 }
             };
-            if !self.out.is_empty()
+            if !self.buf.out.is_empty()
                 && let Err(failed) = self.flush(terminate).await
             {
                 return Err(match failed {
@@ -647,15 +714,15 @@ impl<'a> FastLane<'a> {
             }
             // More of the body: read from the target, the stall bounded.
             if self.up_start > 0 {
-                self.upbuf.copy_within(self.up_start..self.up_end, 0);
+                self.buf.upbuf.copy_within(self.up_start..self.up_end, 0);
                 (self.up_start, self.up_end) = (0, self.up_end - self.up_start);
             }
-            if self.up_end == self.upbuf.len() {
-                let grown = self.upbuf.len() * 2;
-                self.upbuf.resize(grown, 0);
+            if self.up_end == self.buf.upbuf.len() {
+                let grown = self.buf.upbuf.len() * 2;
+                self.buf.upbuf.resize(grown, 0);
             }
             let deadline = limit.map(|limit| Instant::now() + limit);
-            let (target, upbuf) = (&mut conn.stream, &mut self.upbuf[self.up_end..]);
+            let (target, upbuf) = (&mut conn.stream, &mut self.buf.upbuf[self.up_end..]);
             let read = wait(
                 |cx| poll_read_into(target, upbuf, cx),
                 terminate,
@@ -666,7 +733,7 @@ impl<'a> FastLane<'a> {
             .await;
             match read {
                 Waited::Ready(Ok(0)) if framing == Framing::Close => {
-                    self.out.extend_from_slice(b"0\r\n\r\n");
+                    self.buf.out.extend_from_slice(b"0\r\n\r\n");
                     return match self.flush(terminate).await {
                         Ok(()) => Ok(false),
                         Err(WriteFailed::Terminated) => Err(Outcome::Terminated),

@@ -53,6 +53,9 @@ pub async fn serve(
     upstream: Arc<Upstream>,
     proxy: Arc<ProxyContext>,
 ) {
+    // Each write is a whole response or the part of a body at hand: sent at once, not held
+    // back for the acknowledgement of the previous one (Nagle).
+    let _ = stream.set_nodelay(true);
     let conn = registration.conn().clone();
     let protocol = match version {
         HttpVersion::Http1 => ConnProtocol::Http1,
