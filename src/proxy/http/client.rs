@@ -153,6 +153,19 @@ struct PlainIdle {
     since: Instant,
 }
 
+/// An idle list, locked, once the entries idle for [`POOL_IDLE_TIMEOUT`] are closed (the
+/// oldest are at the bottom).
+fn unexpired<T>(list: &Mutex<Vec<T>>, since: fn(&T) -> Instant) -> MutexGuard<'_, Vec<T>> {
+    let mut list = lock(list);
+    let now = Instant::now();
+    let expired = list
+        .iter()
+        .take_while(|entry| now.duration_since(since(entry)) >= POOL_IDLE_TIMEOUT)
+        .count();
+    list.drain(..expired);
+    list
+}
+
 /// Whether the target has closed an idle connection, or sent on it what no request asked
 /// for: costs no system call unless the socket was reported readable.
 fn closed_or_unexpected(stream: &TcpStream) -> bool {
@@ -206,14 +219,7 @@ impl Http1Pool {
     /// The idle connections, once those idle for too long are closed (the oldest are at the
     /// bottom).
     fn idle(&self) -> MutexGuard<'_, Vec<Idle>> {
-        let mut idle = lock(&self.idle);
-        let now = Instant::now();
-        let expired = idle
-            .iter()
-            .take_while(|entry| now.duration_since(entry.since) >= POOL_IDLE_TIMEOUT)
-            .count();
-        idle.drain(..expired);
-        idle
+        unexpired(&self.idle, |entry| entry.since)
     }
 
     fn checkout(&self) -> Option<http1::SendRequest<Payload>> {
@@ -228,14 +234,7 @@ impl Http1Pool {
 
     /// The fast lane's idle connections, once those idle for too long are closed.
     fn plain(&self) -> MutexGuard<'_, Vec<PlainIdle>> {
-        let mut plain = lock(&self.plain);
-        let now = Instant::now();
-        let expired = plain
-            .iter()
-            .take_while(|entry| now.duration_since(entry.since) >= POOL_IDLE_TIMEOUT)
-            .count();
-        plain.drain(..expired);
-        plain
+        unexpired(&self.plain, |entry| entry.since)
     }
 
     /// An idle connection for the fast lane that the target has not closed, if there is one.

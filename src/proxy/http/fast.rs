@@ -206,6 +206,16 @@ enum WriteFailed {
     Terminated,
 }
 
+impl From<WriteFailed> for Outcome {
+    /// A response the client cannot get whole cuts its connection.
+    fn from(failed: WriteFailed) -> Outcome {
+        match failed {
+            WriteFailed::Io(_) => Outcome::Cut,
+            WriteFailed::Terminated => Outcome::Terminated,
+        }
+    }
+}
+
 async fn write_all(
     stream: &mut TcpStream,
     mut bytes: &[u8],
@@ -371,6 +381,22 @@ impl<'a> FastLane<'a> {
             }
             let grown = (self.buf.inbuf.len() * 2).min(limit);
             self.buf.inbuf.resize(grown, 0);
+        }
+        true
+    }
+
+    /// Room after the target's unused bytes, as [`FastLane::make_room`] for the client's.
+    fn make_target_room(&mut self, limit: usize) -> bool {
+        if self.up_start > 0 {
+            self.buf.upbuf.copy_within(self.up_start..self.up_end, 0);
+            (self.up_start, self.up_end) = (0, self.up_end - self.up_start);
+        }
+        if self.up_end == self.buf.upbuf.len() {
+            if self.buf.upbuf.len() >= limit {
+                return false;
+            }
+            let grown = (self.buf.upbuf.len() * 2).min(limit);
+            self.buf.upbuf.resize(grown, 0);
         }
         true
     }
@@ -558,8 +584,7 @@ impl<'a> FastLane<'a> {
         error_response(&mut self.buf.out, status, body, close);
         match self.flush(terminate).await {
             Ok(()) => Outcome::KeepAlive,
-            Err(WriteFailed::Terminated) => Outcome::Terminated,
-            Err(WriteFailed::Io(_)) => Outcome::Cut,
+            Err(failed) => failed.into(),
         }
     }
 
@@ -597,16 +622,8 @@ impl<'a> FastLane<'a> {
                     Parsed::Bad => return HeadRead::Bad,
                 }
             }
-            if self.up_start > 0 {
-                self.buf.upbuf.copy_within(self.up_start..self.up_end, 0);
-                (self.up_start, self.up_end) = (0, self.up_end - self.up_start);
-            }
-            if self.up_end == self.buf.upbuf.len() {
-                if self.buf.upbuf.len() >= MAX_RESPONSE_HEAD {
-                    return HeadRead::Bad;
-                }
-                let grown = (self.buf.upbuf.len() * 2).min(MAX_RESPONSE_HEAD);
-                self.buf.upbuf.resize(grown, 0);
+            if !self.make_target_room(MAX_RESPONSE_HEAD) {
+                return HeadRead::Bad;
             }
             // The client is watched while nothing of a next request is buffered (as hyper
             // does): its EOF means it gave up on this one.
@@ -704,23 +721,14 @@ impl<'a> FastLane<'a> {
             if !self.buf.out.is_empty()
                 && let Err(failed) = self.flush(terminate).await
             {
-                return Err(match failed {
-                    WriteFailed::Terminated => Outcome::Terminated,
-                    WriteFailed::Io(_) => Outcome::Cut,
-                });
+                return Err(failed.into());
             }
             if finished {
                 return Ok(self.up_start == self.up_end);
             }
             // More of the body: read from the target, the stall bounded.
-            if self.up_start > 0 {
-                self.buf.upbuf.copy_within(self.up_start..self.up_end, 0);
-                (self.up_start, self.up_end) = (0, self.up_end - self.up_start);
-            }
-            if self.up_end == self.buf.upbuf.len() {
-                let grown = self.buf.upbuf.len() * 2;
-                self.buf.upbuf.resize(grown, 0);
-            }
+            // Everything read so far was used: there is room (the limit is never reached).
+            self.make_target_room(usize::MAX);
             let deadline = limit.map(|limit| Instant::now() + limit);
             let (target, upbuf) = (&mut conn.stream, &mut self.buf.upbuf[self.up_end..]);
             let read = wait(
@@ -734,11 +742,11 @@ impl<'a> FastLane<'a> {
             match read {
                 Waited::Ready(Ok(0)) if framing == Framing::Close => {
                     self.buf.out.extend_from_slice(b"0\r\n\r\n");
-                    return match self.flush(terminate).await {
-                        Ok(()) => Ok(false),
-                        Err(WriteFailed::Terminated) => Err(Outcome::Terminated),
-                        Err(WriteFailed::Io(_)) => Err(Outcome::Cut),
-                    };
+                    return self
+                        .flush(terminate)
+                        .await
+                        .map(|()| false)
+                        .map_err(Outcome::from);
                 }
                 Waited::Ready(Ok(0)) | Waited::Ready(Err(_)) => {
                     debug!("the target closed before the end of the response body");
