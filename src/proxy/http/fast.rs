@@ -561,10 +561,17 @@ impl<'a> FastLane<'a> {
             .await
         {
             Ok(clean) => {
+                // Back in the pool before the response's last bytes leave: once they have,
+                // the client's next request, on this connection or another, finds it there.
                 if clean && response.reusable && !ctx.closing() {
                     pool.put_plain(conn);
+                } else {
+                    drop(conn);
                 }
-                Outcome::KeepAlive
+                match self.flush(terminate).await {
+                    Ok(()) => Outcome::KeepAlive,
+                    Err(failed) => failed.into(),
+                }
             }
             Err(outcome) => outcome,
         }
@@ -669,8 +676,10 @@ impl<'a> FastLane<'a> {
         }
     }
 
-    /// Sends the head in `out` and the body after it. `Ok(true)`: the response ended where
-    /// its framing said, with nothing after it, so the target's connection may serve again.
+    /// Sends the head in `out` and the body after it, all but what is left in `out` once the
+    /// target's side is read to its end (the caller sends that). `Ok(true)`: the response
+    /// ended where its framing said, with nothing after it, so the target's connection may
+    /// serve again.
     async fn forward_body(
         &mut self,
         conn: &mut PlainConn,
@@ -718,13 +727,13 @@ impl<'a> FastLane<'a> {
                     false
                 }
             };
+            if finished {
+                return Ok(self.up_start == self.up_end);
+            }
             if !self.buf.out.is_empty()
                 && let Err(failed) = self.flush(terminate).await
             {
                 return Err(failed.into());
-            }
-            if finished {
-                return Ok(self.up_start == self.up_end);
             }
             // More of the body: read from the target, the stall bounded.
             // Everything read so far was used: there is room (the limit is never reached).
