@@ -203,9 +203,16 @@ fn main() {
     let once = Plan { reps: 1, ..plan };
     let mut running = Vec::new();
     for &subject in &http_subjects {
+        if plan.wants(PACED_MEMORY) {
+            // On a process of its own: holes left by the other row's connections would take
+            // this row's.
+            let mut proxy = Running::start(subject, &target, false, &out_dir);
+            samples.extend(idle_memory(&plan, subject, &proxy, Opening::Paced));
+            proxy.stop();
+        }
         let proxy = Running::start(subject, &target, false, &out_dir);
         if plan.wants("memory, idle http1 keep-alive") {
-            samples.extend(idle_memory(&plan, subject, &proxy, true));
+            samples.extend(idle_memory(&plan, subject, &proxy, Opening::Http));
         }
         running.push((subject, proxy));
     }
@@ -272,7 +279,7 @@ fn main() {
     for &subject in &tcp_subjects {
         let proxy = Running::start(subject, &target, true, &out_dir);
         if plan.wants("memory, idle tcp connection pair") {
-            samples.extend(idle_memory(&plan, subject, &proxy, false));
+            samples.extend(idle_memory(&plan, subject, &proxy, Opening::Tcp));
         }
         running.push((subject, proxy));
     }
@@ -866,26 +873,55 @@ fn tcp_bulk(plan: &Plan, subject: Subject, proxy: &Running, target: &Target) -> 
     }
 }
 
-/// Resident memory idle, and per open idle connection (HTTP/1 keep-alive after one request,
-/// or a TCP connection pair held open by the target).
-fn idle_memory(plan: &Plan, subject: Subject, proxy: &Running, http: bool) -> Vec<Sample> {
+/// The memory row whose connections open one by one, each idle before the next comes.
+const PACED_MEMORY: &str = "memory, idle http1 keep-alive, opened 15 ms apart";
+
+/// How the idle connections of a memory row are opened.
+#[derive(Clone, Copy, PartialEq)]
+enum Opening {
+    /// HTTP/1 keep-alive after one request, as fast as the proxy answers: the connections
+    /// opened within lameduck's park delay of each other still hold their buffers together.
+    Http,
+    /// The same, 15 ms apart (a quarter as many): each connection is parked before the next
+    /// opens, as when clients come over time.
+    Paced,
+    /// A TCP connection pair held open by the target.
+    Tcp,
+}
+
+/// Resident memory idle, and per open idle connection.
+fn idle_memory(plan: &Plan, subject: Subject, proxy: &Running, opening: Opening) -> Vec<Sample> {
     let Some(pid) = proxy.pid() else {
         return Vec::new();
     };
-    let workload = if http {
-        "memory, idle http1 keep-alive"
-    } else {
-        "memory, idle tcp connection pair"
+    let (workload, count) = match opening {
+        Opening::Http => ("memory, idle http1 keep-alive", plan.idle_connections),
+        Opening::Paced => (PACED_MEMORY, plan.idle_connections / 4),
+        Opening::Tcp => ("memory, idle tcp connection pair", plan.idle_connections),
     };
+    let http = opening != Opening::Tcp;
     let mut idle = sample(workload, subject, "resident idle", "KiB", false);
     let mut per = sample(workload, subject, "per connection", "KiB", false);
     // TCP subjects forward to the sink, which holds every connection open until the client closes.
     let addr = proxy.addr;
     thread::sleep(Duration::from_millis(200));
-    let before = rss_kib(pid);
+    let mut before = rss_kib(pid);
     idle.values.push(before as f64);
-    let mut held = Vec::with_capacity(plan.idle_connections);
-    for _ in 0..plan.idle_connections {
+    // The paced row counts the connections after its first fifth: what the first ones
+    // allocate for good (the buffers each thread keeps for its next lanes, the tables' first
+    // growth) is not a cost per connection.
+    let warm = if opening == Opening::Paced {
+        count / 5
+    } else {
+        0
+    };
+    let mut counted = 0;
+    let mut held = Vec::with_capacity(count);
+    for opened in 0..count {
+        if opened == warm && warm > 0 {
+            thread::sleep(Duration::from_millis(100));
+            before = rss_kib(pid);
+        }
         let Ok(mut stream) = TcpStream::connect(addr) else {
             break;
         };
@@ -895,20 +931,29 @@ fn idle_memory(plan: &Plan, subject: Subject, proxy: &Running, http: bool) -> Ve
             let _ = stream.read(&mut buf);
         }
         held.push(stream);
+        counted += usize::from(opened >= warm);
+        if opening == Opening::Paced {
+            thread::sleep(Duration::from_millis(15));
+        }
     }
     assert_eq!(
         held.len(),
-        plan.idle_connections,
+        count,
         "{}: could not open every idle connection",
         subject.name()
     );
     thread::sleep(Duration::from_millis(500));
     let after = rss_kib(pid);
     per.values
-        .push((after.saturating_sub(before)) as f64 / held.len().max(1) as f64);
+        .push((after.saturating_sub(before)) as f64 / counted.max(1) as f64);
     drop(held);
     thread::sleep(Duration::from_millis(300));
-    vec![idle, per]
+    if opening == Opening::Paced {
+        // The resident set idle is the other row's.
+        vec![per]
+    } else {
+        vec![idle, per]
+    }
 }
 
 /// Start-up to `/ready`, and the shutdown times of docs/lifecycle.md (lameduck only).
