@@ -216,9 +216,7 @@ fn main() {
         }
         running.push((subject, proxy));
     }
-    // The fixed-rate rows go round FIXED_RATE_ROUNDS times as often as the others.
-    for rep in 0..plan.reps * FIXED_RATE_ROUNDS {
-        let every = rep % FIXED_RATE_ROUNDS == 0;
+    for every in rounds(&plan) {
         for (subject, proxy) in &running {
             let mut round = Vec::new();
             if every && installed("wrk") && plan.wants("http1 keep-alive") {
@@ -253,8 +251,7 @@ fn main() {
                     Running::start_to(subject, origin.addr, false, &out_dir),
                 ));
             }
-            for rep in 0..plan.reps * FIXED_RATE_ROUNDS {
-                let every = rep % FIXED_RATE_ROUNDS == 0;
+            for every in rounds(&plan) {
                 for (subject, proxy) in &running {
                     let mut round = Vec::new();
                     if every && nginx_flat_out {
@@ -722,6 +719,12 @@ const FIXED_RATE: u64 = 10_000;
 /// own: a p99 of a few seconds is the figure a noisy spell of this shared machine moves most.
 const FIXED_RATE_ROUNDS: usize = 2;
 
+/// The rounds of a run: `true` for those in which every workload runs, `false` for those of
+/// the fixed-rate rows alone.
+fn rounds(plan: &Plan) -> impl Iterator<Item = bool> {
+    (0..plan.reps * FIXED_RATE_ROUNDS).map(|round| round % FIXED_RATE_ROUNDS == 0)
+}
+
 /// HTTP/1.1 keep-alive latency at a fixed request rate (32 connections, h2load `--rps`), from
 /// h2load's per-request log.
 fn h1_fixed_rate(plan: &Plan, subject: Subject, proxy: &Running, dir: &Path) -> Vec<Sample> {
@@ -900,6 +903,7 @@ fn idle_memory(plan: &Plan, subject: Subject, proxy: &Running, opening: Opening)
         Opening::Tcp => ("memory, idle tcp connection pair", plan.idle_connections),
     };
     let http = opening != Opening::Tcp;
+    let paced = opening == Opening::Paced;
     let mut idle = sample(workload, subject, "resident idle", "KiB", false);
     let mut per = sample(workload, subject, "per connection", "KiB", false);
     // TCP subjects forward to the sink, which holds every connection open until the client closes.
@@ -910,11 +914,7 @@ fn idle_memory(plan: &Plan, subject: Subject, proxy: &Running, opening: Opening)
     // The paced row counts the connections after its first fifth: what the first ones
     // allocate for good (the buffers each thread keeps for its next lanes, the tables' first
     // growth) is not a cost per connection.
-    let warm = if opening == Opening::Paced {
-        count / 5
-    } else {
-        0
-    };
+    let warm = if paced { count / 5 } else { 0 };
     let mut counted = 0;
     let mut held = Vec::with_capacity(count);
     for opened in 0..count {
@@ -932,7 +932,7 @@ fn idle_memory(plan: &Plan, subject: Subject, proxy: &Running, opening: Opening)
         }
         held.push(stream);
         counted += usize::from(opened >= warm);
-        if opening == Opening::Paced {
+        if paced {
             thread::sleep(Duration::from_millis(15));
         }
     }
@@ -948,7 +948,7 @@ fn idle_memory(plan: &Plan, subject: Subject, proxy: &Running, opening: Opening)
         .push((after.saturating_sub(before)) as f64 / counted.max(1) as f64);
     drop(held);
     thread::sleep(Duration::from_millis(300));
-    if opening == Opening::Paced {
+    if paced {
         // The resident set idle is the other row's.
         vec![per]
     } else {

@@ -749,13 +749,10 @@ impl<'a> FastLane<'a> {
             )
             .await;
             match read {
+                // The end of a close-delimited body: the last chunk, which the caller sends.
                 Waited::Ready(Ok(0)) if framing == Framing::Close => {
                     self.buf.out.extend_from_slice(b"0\r\n\r\n");
-                    return self
-                        .flush(terminate)
-                        .await
-                        .map(|()| false)
-                        .map_err(Outcome::from);
+                    return Ok(false);
                 }
                 Waited::Ready(Ok(0)) | Waited::Ready(Err(_)) => {
                     debug!("the target closed before the end of the response body");
