@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use support::{BIN, inject};
+use support::{BIN, inject, kubectl};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/inject")
@@ -34,36 +34,9 @@ fn golden(input: &Path, args: &[&str], expected: &Path) -> (String, String) {
         expected.display()
     );
     check_schema(&out);
-    check_with_kubectl(&out, &kubectls()[..1]);
+    check_with_kubectl(&out, &kubectl::clients()[..1]);
     assert_idempotent(&out, args);
     (out, err)
-}
-
-/// The kubectl clients on this machine: `kubectl` first, then `kubectl.1.27` … beside it (the
-/// cloud SDK installs them side by side). Empty when there is none.
-fn kubectls() -> Vec<PathBuf> {
-    let Some(kubectl) = std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path)
-            .map(|dir| dir.join("kubectl"))
-            .find(|candidate| candidate.is_file())
-    }) else {
-        return Vec::new();
-    };
-    let mut found = vec![kubectl.clone()];
-    let real = std::fs::canonicalize(&kubectl).unwrap_or(kubectl);
-    if let Some(dir) = real.parent().and_then(|dir| std::fs::read_dir(dir).ok()) {
-        let mut versions: Vec<PathBuf> = dir
-            .filter_map(|entry| entry.ok().map(|entry| entry.path()))
-            .filter(|path| {
-                path.file_name()
-                    .and_then(|name| name.to_str())
-                    .is_some_and(|name| name.starts_with("kubectl.1."))
-            })
-            .collect();
-        versions.sort();
-        found.extend(versions);
-    }
-    found
 }
 
 /// Every document of `yaml` is decoded by each kubectl in `clients` offline, as `kubectl
@@ -91,56 +64,26 @@ fn check_with_kubectl(yaml: &str, clients: &[PathBuf]) {
             _ => ours.push(value),
         }
     }
-    let file = std::env::temp_dir().join(format!(
-        "lameduck-kubectl-{}-{:?}.yaml",
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    std::fs::write(&file, yaml).unwrap();
     for kubectl in clients {
-        let run = |args: &[&str]| {
-            let output = Command::new(kubectl)
-                .args(args)
-                .arg("-f")
-                .arg(&file)
-                .args(["-o", "json"])
-                .env("KUBECONFIG", "/dev/null")
-                .output()
-                .unwrap();
-            let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-            let objects: Vec<serde_json::Value> =
-                serde_json::Deserializer::from_slice(&output.stdout)
-                    .into_iter()
-                    .collect::<Result<_, _>>()
-                    .unwrap_or_else(|error| panic!("{}: {error}", kubectl.display()));
-            (output.status.success(), objects, stderr)
-        };
-        let (ok, labelled, stderr) = run(&["label", "--local", "lameduck.test/decoded=true"]);
-        assert!(
-            ok,
-            "{} refused inject's output:\n{stderr}",
-            kubectl.display()
-        );
-        assert_eq!(
-            labelled.len(),
-            ours.len(),
-            "{}: {stderr}",
-            kubectl.display()
-        );
+        let labelled = kubectl::label(kubectl, yaml).unwrap_or_else(|stderr| {
+            panic!("{} refused inject's output:\n{stderr}", kubectl.display())
+        });
+        assert_eq!(labelled.len(), ours.len(), "{}", kubectl.display());
         for (theirs, ours) in labelled.iter().zip(&ours) {
             assert_contains(theirs, ours, kubectl, "", false);
         }
         // Native sidecars (`restartPolicy` on an init container) came in Kubernetes 1.28 (beta
         // and on by default in 1.29, the version the README requires): older typed readings
         // drop the field, as the API server of those versions would.
-        let minor = kubectl
-            .extension()
-            .and_then(|ext| ext.to_str())
-            .and_then(|ext| ext.parse::<u32>().ok());
-        if minor.is_some_and(|minor| minor < 29) {
+        if kubectl::minor(kubectl).is_some_and(|minor| minor < 29) {
             continue;
         }
-        let (_, typed, stderr) = run(&["set", "resources", "--local", "--limits=cpu=1"]);
+        let (typed, stderr) = kubectl::read(
+            kubectl,
+            yaml,
+            &["set", "resources", "--local", "--limits=cpu=1"],
+        )
+        .unwrap_or_else(|stderr| panic!("{}: {stderr}", kubectl.display()));
         for line in stderr.lines().filter(|line| !line.is_empty()) {
             assert!(
                 line.contains("is not a pod or does not have a pod template"),
@@ -164,7 +107,6 @@ fn check_with_kubectl(yaml: &str, clients: &[PathBuf]) {
             assert_contains(theirs, ours, kubectl, "", true);
         }
     }
-    let _ = std::fs::remove_file(&file);
 }
 
 /// Every value in `ours` is in `theirs` at the same place, of the same type; `theirs` may hold
@@ -753,7 +695,7 @@ fn strings_come_back_as_the_same_strings_in_yaml_1_1_and_1_2() {
         original[1]["data"]["yes"],
         "a key that YAML 1.1 reads as a boolean"
     );
-    check_with_kubectl(&out, &kubectls());
+    check_with_kubectl(&out, &kubectl::clients());
     // Plain where no reader can take them for anything else, so the output stays readable.
     for plain in [
         "60s",

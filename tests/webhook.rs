@@ -392,6 +392,47 @@ fn pods_get_exactly_what_inject_writes_and_everything_else_is_allowed_unchanged(
     );
 }
 
+/// What inject leaves alone, the webhook leaves alone too, and says why: a pod on its node's
+/// network, a pod another mesh has meshed. Allowed, no patch, a warning for whoever created it.
+#[test]
+fn host_network_and_other_mesh_pods_are_allowed_unchanged_with_a_warning() {
+    let (dir, certs) = setup();
+    let webhook = start(dir.path(), &[]);
+    let config = client_config(&certs.ca);
+    let mut node_agent = pod("agent", json!({}), Some("DaemonSet"));
+    node_agent["spec"]["hostNetwork"] = true.into();
+    let mut linkerd = pod("meshed", json!({"linkerd.io/inject": "enabled"}), None);
+    linkerd["spec"]["containers"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "linkerd-proxy", "image": "cr.l5d.io/linkerd/proxy:stable"}));
+    for (name, object, why) in [
+        ("hostNetwork", &node_agent, "hostNetwork"),
+        (
+            "Linkerd",
+            &linkerd,
+            "meshed by Linkerd (container linkerd-proxy)",
+        ),
+    ] {
+        let (status, body, _) = post(
+            webhook.reviews,
+            &config,
+            "/mutate",
+            &review("uid-left-alone", "CREATE", object, "shop"),
+        )
+        .unwrap();
+        assert_eq!(status, 200, "{name}");
+        let response = &serde_json::from_slice::<Value>(&body).unwrap()["response"];
+        assert_eq!(response["allowed"], true, "{name}: {response}");
+        assert!(response.get("patch").is_none(), "{name}: {response}");
+        let warning = response["warnings"][0].as_str().unwrap_or_default();
+        assert!(
+            warning.contains("not injected") && warning.contains(why),
+            "{name}: {response}"
+        );
+    }
+}
+
 #[test]
 fn invalid_annotations_deny_the_pod_when_asked_to() {
     let (dir, certs) = setup();
@@ -735,38 +776,12 @@ fn the_webhook_serves_with_the_certificate_the_manifests_generate() {
 
 /// `kubectl label --local` decodes every document offline, as `kubectl apply` would.
 fn kubectl_decodes(yaml: &str, count: usize) {
-    let file = std::env::temp_dir().join(format!(
-        "lameduck-manifests-{}-{:?}.yaml",
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    std::fs::write(&file, yaml).unwrap();
-    let out = match Command::new("kubectl")
-        .args([
-            "label",
-            "--local",
-            "lameduck.test/decoded=true",
-            "-o",
-            "name",
-            "-f",
-        ])
-        .arg(&file)
-        .env("KUBECONFIG", "/dev/null")
-        .output()
-    {
-        Ok(out) => out,
-        Err(_) => {
-            let _ = std::fs::remove_file(&file);
-            return support::skip("kubectl decoding of the manifests", "no kubectl on PATH");
-        }
+    let Some(kubectl) = support::kubectl::clients().into_iter().next() else {
+        return support::skip("kubectl decoding of the manifests", "no kubectl on PATH");
     };
-    let _ = std::fs::remove_file(&file);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), count);
+    let objects =
+        support::kubectl::label(&kubectl, yaml).unwrap_or_else(|stderr| panic!("{stderr}"));
+    assert_eq!(objects.len(), count);
 }
 
 /// Pods the API server would refuse anyway, shaped every wrong way: each gets an answer (a

@@ -25,13 +25,13 @@
 use std::fmt;
 use std::time::Duration;
 
-use serde::Deserialize;
 use serde_norway::{Mapping, Value};
 
 use super::iptables::PROXY_UID;
 use crate::config::{Raw, parse_bool, parse_duration};
 
-mod yaml;
+mod read;
+mod write;
 
 pub const ANNOTATION_INJECT: &str = "lameduck.io/inject";
 pub const ANNOTATION_GRACE: &str = "lameduck.io/shutdown-grace-period";
@@ -115,86 +115,141 @@ impl fmt::Display for InjectError {
 impl std::error::Error for InjectError {}
 
 /// Injects every pod template in a stream of YAML documents.
+///
+/// Each document is read as kubectl reads it ([`read`]); one that inject leaves as it was is
+/// written back byte for byte (comments, quoting and all), one that it changes is written by
+/// [`write`], which kubectl reads back as the same data plus the injection.
 pub fn inject(input: &str, options: &InjectOptions) -> Result<Injected, InjectError> {
     let mut injected = Injected::default();
-    let mut documents = Vec::new();
-    for (index, document) in serde_norway::Deserializer::from_str(input).enumerate() {
-        let mut value = Value::deserialize(document).map_err(|error| {
-            InjectError(format!("document {}: invalid YAML: {error}", index + 1))
-        })?;
-        if value.is_null() {
-            continue;
-        }
+    let stream =
+        read::stream(input).map_err(|error| InjectError(format!("invalid YAML: {error}")))?;
+    for (index, document) in stream.documents.iter().enumerate() {
+        let mut value = document.value.clone();
         inject_document(&mut value, options, &mut injected.notes)?;
-        documents.push(value);
-    }
-    for (index, document) in documents.iter().enumerate() {
-        if index > 0 {
+        let source = &stream.text[document.source.clone()];
+        let text = if value == document.value {
+            source.to_string()
+        } else {
+            let written = write::to_string(&value).map_err(|error| {
+                InjectError(format!(
+                    "document {}: cannot write YAML: {}",
+                    index + 1,
+                    error.0
+                ))
+            })?;
+            format!("{}{written}", header(source))
+        };
+        if !injected.yaml.is_empty() && !starts_a_document(&text) {
             injected.yaml.push_str("---\n");
         }
-        let yaml = yaml::to_string(document).map_err(|error| {
-            InjectError(format!(
-                "document {}: cannot write YAML: {}",
-                index + 1,
-                error.0
-            ))
-        })?;
-        injected.yaml.push_str(&yaml);
+        injected.yaml.push_str(&text);
     }
     Ok(injected)
 }
 
-/// Injects one document (a workload, a pod, or a `List` of them) in place; others are left as
+/// The lines before a document's content: comments (such as Helm's `# Source:`), blank lines
+/// and its `---`, kept when the rest is written anew.
+fn header(source: &str) -> &str {
+    let mut end = 0;
+    for line in source.split_inclusive('\n') {
+        let trimmed = line.trim_end();
+        if !(trimmed.is_empty() || trimmed.starts_with('#') || trimmed == "---") {
+            break;
+        }
+        end += line.len();
+    }
+    &source[..end]
+}
+
+/// Whether `text` opens with its own `---` (after any comments and blank lines).
+fn starts_a_document(text: &str) -> bool {
+    text.lines()
+        .map(str::trim_end)
+        .find(|line| !line.is_empty() && !line.starts_with('#'))
+        .is_some_and(|line| line == "---" || line.starts_with("--- ") || line.starts_with("---\t"))
+}
+
+/// The built-in kinds whose pods inject meshes, by `apiVersion` and `kind` (a `Job` of another
+/// API group is another kind of object, and passes through).
+const WORKLOADS: [(&str, &str); 8] = [
+    ("v1", "Pod"),
+    ("v1", "ReplicationController"),
+    ("apps/v1", "Deployment"),
+    ("apps/v1", "StatefulSet"),
+    ("apps/v1", "DaemonSet"),
+    ("apps/v1", "ReplicaSet"),
+    ("batch/v1", "Job"),
+    ("batch/v1", "CronJob"),
+];
+
+/// Injects one document (a workload, a pod, or a list of them) in place; others are left as
 /// they are. The admission webhook injects the pods it is sent with this too.
 pub fn inject_document(
     document: &mut Value,
     options: &InjectOptions,
     notes: &mut Vec<String>,
 ) -> Result<(), InjectError> {
-    let kind = document
-        .get("kind")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string();
-    if kind == "List" {
-        if let Some(items) = document.get_mut("items").and_then(Value::as_sequence_mut) {
-            for item in items {
-                inject_document(item, options, notes)?;
-            }
+    let field = |key: &str| {
+        document
+            .get(key)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string()
+    };
+    let (api_version, kind) = (field("apiVersion"), field("kind"));
+    inject_object(document, &api_version, &kind, options, notes)
+}
+
+fn inject_object(
+    document: &mut Value,
+    api_version: &str,
+    kind: &str,
+    options: &InjectOptions,
+    notes: &mut Vec<String>,
+) -> Result<(), InjectError> {
+    // `List`, and typed lists such as `DeploymentList`: kubectl applies their items, and
+    // gives an item without apiVersion and kind the list's, less `List`.
+    if let Some(item_kind) = kind.strip_suffix("List")
+        && let Some(items) = document.get_mut("items").and_then(Value::as_sequence_mut)
+    {
+        for item in items {
+            let field = |key: &str| item.get(key).and_then(Value::as_str).map(str::to_string);
+            let (item_api, item_kind) = match (field("apiVersion"), field("kind")) {
+                (None, None) => (api_version.to_string(), item_kind.to_string()),
+                (api, kind) => (api.unwrap_or_default(), kind.unwrap_or_default()),
+            };
+            inject_object(item, &item_api, &item_kind, options, notes)?;
         }
         return Ok(());
     }
-    let object = Object::of(&kind, document);
+    if !WORKLOADS.contains(&(api_version, kind)) {
+        return Ok(());
+    }
+    let object = Object::of(kind, document);
     // A Job's pod (made by the Job controller, as the admission webhook sees it) is a Job's.
     let owned_by_job = document
         .get("metadata")
         .and_then(|metadata| metadata.get("ownerReferences"))
         .and_then(Value::as_sequence)
         .is_some_and(|owners| owners.iter().any(|owner| owner["kind"] == "Job"));
-    let template = match kind.as_str() {
+    let template = match kind {
         "Pod" => Some(document),
-        "Deployment"
-        | "StatefulSet"
-        | "DaemonSet"
-        | "ReplicaSet"
-        | "ReplicationController"
-        | "Job" => document
-            .get_mut("spec")
-            .and_then(|spec| spec.get_mut("template")),
         "CronJob" => document
             .get_mut("spec")
             .and_then(|spec| spec.get_mut("jobTemplate"))
             .and_then(|job| job.get_mut("spec"))
             .and_then(|spec| spec.get_mut("template")),
-        _ => return Ok(()),
+        _ => document
+            .get_mut("spec")
+            .and_then(|spec| spec.get_mut("template")),
     };
     match template {
         Some(template) if template.is_mapping() => {
-            let is_job = matches!(kind.as_str(), "Job" | "CronJob") || owned_by_job;
+            let is_job = matches!(kind, "Job" | "CronJob") || owned_by_job;
             inject_template(template, &object, is_job, options, notes)
         }
         _ => Err(object.error(format!(
-            "has no pod template ({kind} without spec.template)"
+            "has no pod template ({api_version} {kind} without spec.template)"
         ))),
     }
 }
@@ -229,6 +284,11 @@ impl Object {
             "{} {}/{}: {message}",
             self.kind, self.namespace, self.name
         ))
+    }
+
+    /// A note for stderr (or the webhook's warnings) about this object.
+    fn note(&self, message: impl fmt::Display) -> String {
+        format!("{} {}/{}: {message}", self.kind, self.namespace, self.name)
     }
 
     fn annotation_error(
@@ -298,7 +358,7 @@ fn inject_template(
         }
     }
     let spec = template
-        .get_mut("spec")
+        .get("spec")
         .filter(|spec| spec.is_mapping())
         .ok_or_else(|| object.error("the pod template has no spec"))?;
     if has_container(spec, "initContainers", PROXY_NAME)
@@ -306,6 +366,24 @@ fn inject_template(
     {
         return Ok(());
     }
+    if spec.get("hostNetwork") == Some(&Value::Bool(true)) {
+        notes.push(object.note(
+            "not injected: it uses the node's network (hostNetwork), where the NAT rules would \
+             catch every connection of the node and outlive the pod, and the proxy's ports would \
+             be the node's",
+        ));
+        return Ok(());
+    }
+    if let Some(mesh) = other_mesh(template) {
+        notes.push(object.note(format!(
+            "not injected: it is meshed by {mesh}; two proxies would compete for its traffic \
+             and ports. Take it out of that mesh to mesh it with lameduck"
+        )));
+        return Ok(());
+    }
+    let spec = template
+        .get_mut("spec")
+        .expect("checked above to be a mapping");
     let settings = settings(spec, object, &get, is_job, options)?;
     if settings.intercept.is_some() && get(ANNOTATION_INBOUND_PORTS).is_some() {
         notes.push(format!(
@@ -350,9 +428,72 @@ fn inject_template(
     }
     install_binary(spec, options);
     if let Some(intercept) = &settings.intercept {
-        sequence(spec, "initContainers").insert(0, init_container(intercept, options));
+        let init = init_container(intercept, options);
+        let inits = sequence(spec, "initContainers");
+        if settings.native {
+            inits.insert(0, init);
+        } else {
+            // No proxy runs before the app containers in legacy mode: NAT rules installed
+            // first would send the app's init containers' connections to a port nobody
+            // listens on. They run on the pod's network as it is, and the rules come last.
+            inits.push(init);
+        }
     }
     Ok(())
+}
+
+/// Containers that another mesh adds to the pods it meshes (Linkerd, Istio).
+const OTHER_MESH_CONTAINERS: [(&str, &str); 5] = [
+    ("linkerd-proxy", "Linkerd"),
+    ("linkerd-init", "Linkerd"),
+    ("istio-proxy", "Istio"),
+    ("istio-init", "Istio"),
+    ("istio-validation", "Istio"),
+];
+
+/// The mesh that has meshed, or will mesh, this pod template, and how it shows: one of its
+/// containers, or the annotation or label that asks it to inject (a namespace's labels are not
+/// in the manifest; the admission webhooks of both meshes then see our proxy and skip, or the
+/// pod fails to start, which the warning in docs/kubernetes.md covers).
+fn other_mesh(template: &Value) -> Option<String> {
+    let spec = template.get("spec")?;
+    for list in ["initContainers", "containers"] {
+        for container in spec
+            .get(list)
+            .and_then(Value::as_sequence)
+            .into_iter()
+            .flatten()
+        {
+            let name = container_name(container);
+            if let Some((_, mesh)) = OTHER_MESH_CONTAINERS.iter().find(|(n, _)| *n == name) {
+                return Some(format!("{mesh} (container {name})"));
+            }
+        }
+    }
+    let metadata = template.get("metadata");
+    let entry = |map: &str, key: &str| -> Option<String> {
+        let value = metadata?.get(map)?.get(key)?;
+        match value {
+            Value::String(text) => Some(text.clone()),
+            Value::Bool(flag) => Some(flag.to_string()),
+            _ => None,
+        }
+    };
+    let asks = |map: &str, key: &str, values: &[&str]| {
+        entry(map, key)
+            .filter(|value| values.contains(&value.as_str()))
+            .map(|value| format!("{map} {key}: {value}"))
+    };
+    let linkerd = asks("annotations", "linkerd.io/inject", &["enabled", "ingress"]);
+    let istio = asks("labels", "sidecar.istio.io/inject", &["true"])
+        .or_else(|| asks("annotations", "sidecar.istio.io/inject", &["true"]))
+        .or_else(|| {
+            entry("labels", "istio.io/rev").map(|rev| format!("labels istio.io/rev: {rev}"))
+        })
+        .or_else(|| asks("labels", "istio.io/dataplane-mode", &["ambient"]));
+    linkerd
+        .map(|how| format!("Linkerd ({how})"))
+        .or_else(|| istio.map(|how| format!("Istio ({how})")))
 }
 
 /// The init container that installs the pod's NAT rules (`lameduck iptables`), before
@@ -404,7 +545,7 @@ fn init_container(intercept: &Intercept, options: &InjectOptions) -> Value {
         "securityContext".into(),
         yaml(
             "{runAsUser: 0, runAsNonRoot: false, readOnlyRootFilesystem: true, \
-             allowPrivilegeEscalation: false, \
+             allowPrivilegeEscalation: false, seccompProfile: {type: RuntimeDefault}, \
              capabilities: {add: [NET_ADMIN, NET_RAW], drop: [ALL]}}",
         ),
     );
@@ -703,7 +844,7 @@ fn proxy_container(
         yaml(&format!(
             "{{runAsNonRoot: true, runAsUser: {PROXY_UID}, runAsGroup: {PROXY_UID}, \
              readOnlyRootFilesystem: true, allowPrivilegeEscalation: false, \
-             capabilities: {{drop: [ALL]}}}}"
+             seccompProfile: {{type: RuntimeDefault}}, capabilities: {{drop: [ALL]}}}}"
         )),
     );
     let mut container = Value::Mapping(container);
@@ -861,7 +1002,10 @@ fn install_binary(spec: &mut Value, options: &InjectOptions) {
     );
     install.insert(
         "securityContext".into(),
-        yaml("{runAsNonRoot: true, runAsUser: 65532, allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}"),
+        yaml(
+            "{runAsNonRoot: true, runAsUser: 65532, allowPrivilegeEscalation: false, \
+             seccompProfile: {type: RuntimeDefault}, capabilities: {drop: [ALL]}}",
+        ),
     );
     sequence(spec, "initContainers").insert(0, Value::Mapping(install));
 }

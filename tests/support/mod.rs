@@ -7,6 +7,7 @@
 
 pub mod backend;
 pub mod h2raw;
+pub mod kubectl;
 pub mod netns;
 pub mod process;
 

@@ -29,7 +29,7 @@ pub enum Outcome {
     /// A patch that injects the pod.
     Injected,
     /// Allowed unchanged: not a pod, not a creation, opted out, already injected, a system
-    /// namespace.
+    /// namespace, a pod on its node's network or in another mesh (with a warning).
     Skipped(&'static str),
     /// Invalid lameduck annotations: allowed unchanged with a warning, or denied.
     Invalid { denied: bool, message: String },
@@ -127,6 +127,13 @@ fn decide(request: &Value, policy: &Policy) -> (Outcome, Option<Value>, Vec<Stri
     if named["metadata"]["namespace"].is_null() && named["metadata"].is_object() {
         named["metadata"]["namespace"] = namespace.into();
     }
+    // The request says what the object is; inject goes by the object's own apiVersion and
+    // kind, which the API server always sends but a hand-made review may leave out.
+    for (field, value) in [("apiVersion", "v1"), ("kind", "Pod")] {
+        if named[field].is_null() {
+            named[field] = value.into();
+        }
+    }
     let mut document = match serde_norway::to_value(&named) {
         Ok(document) => document,
         Err(error) => return invalid(policy, format!("the pod cannot be read: {error}")),
@@ -146,7 +153,12 @@ fn decide(request: &Value, policy: &Policy) -> (Outcome, Option<Value>, Vec<Stri
     };
     let patch = json_patch::diff(&named, &injected);
     if patch.0.is_empty() {
-        return skipped("opted out or injected already");
+        // A note says why a pod was left alone (its host's network, another mesh): the
+        // person who created it sees it as a warning.
+        return match notes.is_empty() {
+            true => skipped("opted out or injected already"),
+            false => (Outcome::Skipped("not safe to mesh"), None, notes),
+        };
     }
     let patch = serde_json::to_value(patch).unwrap_or(Value::Null);
     (Outcome::Injected, Some(patch), notes)
