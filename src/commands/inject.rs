@@ -1,9 +1,13 @@
 //! `lameduck inject`: read Kubernetes YAML, write it back with the proxy injected into every
 //! pod template (docs/kubernetes.md).
 //!
-//! Pod, Deployment, StatefulSet, DaemonSet, ReplicaSet, ReplicationController, Job and CronJob
-//! are injected; `kind: List` items are visited; anything else passes through. Documents are
-//! read as generic YAML values, so fields this tool does not know are kept as they are.
+//! The built-in Pod, Deployment, StatefulSet, DaemonSet, ReplicaSet, ReplicationController, Job
+//! and CronJob (by `apiVersion` and `kind`) are injected; the items of `List` and of typed lists
+//! are visited; anything else passes through. Documents are read as kubectl reads them
+//! ([`read`]: YAML 1.1) into generic values, so fields this tool does not know are kept; a
+//! document left as it was is written back byte for byte, a changed one by [`write`].
+//! - Left alone, with a note: pods on the node's network (`hostNetwork`: the NAT rules would
+//!   be the node's) and pods another mesh (Linkerd, Istio) has meshed or is asked to mesh.
 //!
 //! - Native sidecar (default): an init container `lameduck-proxy` with `restartPolicy: Always`.
 //! - Legacy (`--native-sidecar=false`, or `lameduck.io/native-sidecar: disabled`): an ordinary
@@ -20,6 +24,9 @@
 //!   inbound drain. `terminationGracePeriodSeconds` is raised to that grace period, plus the
 //!   budget the app had before injection (for its own shutdown, which now starts after the
 //!   drain), plus the margin; never lowered.
+//! - Every added container passes Pod Security "restricted" but `lameduck-init`, which needs
+//!   root with NET_ADMIN and NET_RAW; in legacy mode it runs after the app's init containers,
+//!   since no proxy serves them yet.
 //! - Idempotent: a pod template that already has `lameduck-proxy` is left alone.
 
 use std::fmt;
@@ -280,10 +287,7 @@ impl Object {
     }
 
     fn error(&self, message: impl fmt::Display) -> InjectError {
-        InjectError(format!(
-            "{} {}/{}: {message}",
-            self.kind, self.namespace, self.name
-        ))
+        InjectError(self.note(message))
     }
 
     /// A note for stderr (or the webhook's warnings) about this object.
@@ -386,22 +390,18 @@ fn inject_template(
         .expect("checked above to be a mapping");
     let settings = settings(spec, object, &get, is_job, options)?;
     if settings.intercept.is_some() && get(ANNOTATION_INBOUND_PORTS).is_some() {
-        notes.push(format!(
-            "{} {}/{}: {ANNOTATION_INBOUND_PORTS} is for the explicit mode ({ANNOTATION_INTERCEPT}: \
-             disabled); with interception every inbound port goes through the proxy",
-            object.kind, object.namespace, object.name
-        ));
+        notes.push(object.note(format!(
+            "{ANNOTATION_INBOUND_PORTS} is for the explicit mode ({ANNOTATION_INTERCEPT}: \
+             disabled); with interception every inbound port goes through the proxy"
+        )));
     }
     if let Some((from, to)) = settings.raise_pod_grace_to {
-        let message = format!(
-            "{} {}/{}: raised terminationGracePeriodSeconds from {from} to {to}: the inbound drain \
+        let message = object.note(format!(
+            "raised terminationGracePeriodSeconds from {from} to {to}: the inbound drain \
              (at most the proxy's grace period, {}) comes before the app's own {from} s, plus \
              {GRACE_MARGIN_SECONDS} s for the proxy to exit",
-            object.kind,
-            object.namespace,
-            object.name,
             format_duration(settings.grace)
-        );
+        ));
         notes.push(message);
         map(spec).insert("terminationGracePeriodSeconds".into(), to.into());
     }
@@ -409,9 +409,8 @@ fn inject_template(
     let mut endpoint = settings.shutdown_endpoint;
     if legacy_job {
         if endpoint == Some(false) {
-            notes.push(format!(
-                "{} {}/{}: the shutdown endpoint is enabled anyway: the wrapped Job needs it to stop the proxy",
-                object.kind, object.namespace, object.name
+            notes.push(object.note(
+                "the shutdown endpoint is enabled anyway: the wrapped Job needs it to stop the proxy",
             ));
         }
         endpoint = Some(true);
@@ -873,11 +872,10 @@ fn wrap_job_containers(spec: &mut Value, object: &Object, notes: &mut Vec<String
             .and_then(Value::as_sequence)
             .cloned()
         else {
-            notes.push(format!(
-                "{} {}/{}: container {name} has no explicit command, so it cannot be wrapped in \
-                 `lameduck await --shutdown`; give it a command, or use a native sidecar",
-                object.kind, object.namespace, object.name
-            ));
+            notes.push(object.note(format!(
+                "container {name} has no explicit command, so it cannot be wrapped in \
+                 `lameduck await --shutdown`; give it a command, or use a native sidecar"
+            )));
             continue;
         };
         let mut wrapped: Vec<Value> = [SHARED_BINARY, "await", "--shutdown", "--"]
@@ -905,18 +903,15 @@ fn hook_app_containers(spec: &mut Value, object: &Object, legacy: bool, notes: &
             ("postStart", "poststart", hold),
         ] {
             if let Err(kept) = chain_hook(container, event, SHARED_BINARY, command, extra) {
-                notes.push(format!(
-                    "{} {}/{}: container {} has a {kept} {event} hook, which cannot run after \
+                notes.push(object.note(format!(
+                    "container {} has a {kept} {event} hook, which cannot run after \
                      another; it is kept and lameduck's `{command}` is not added{}",
-                    object.kind,
-                    object.namespace,
-                    object.name,
                     container_name(container),
                     match event {
                         "preStop" => ": the app may be signalled while inbound requests are in flight; make it an exec hook",
                         _ => ": after a restart of this container the proxy does not serve inbound again until the pod is replaced; make it an exec hook",
                     }
-                ));
+                )));
             }
         }
     }
