@@ -34,6 +34,9 @@ use support::BIN;
 use support::backend::{Backend, read_response};
 
 const INBOUND: u16 = 4143;
+/// The app's own init container, and the id of its one call to the upstream.
+const APP_INIT: &str = "wait-for-upstream";
+const APP_INIT_ID: u64 = 4242;
 /// With interception: the pod's and its peer's addresses on the veth pair between them.
 const POD_IP: [u8; 4] = [10, 79, 0, 2];
 const PEER_IP: [u8; 4] = [10, 79, 0, 1];
@@ -48,8 +51,14 @@ fn here() -> &'static Path {
 }
 
 /// The injected pod spec of `tests/pod/deployment.yaml` with the app image `testapp:MODE`,
-/// intercepted or in the explicit mode.
-fn injected_pod_spec(mode: &str, native: bool, intercept: bool) -> serde_json::Value {
+/// intercepted or in the explicit mode; with an init container of the app's that calls the
+/// upstream before the app starts (as one waiting for its database would) when `app_init`.
+fn injected_pod_spec(
+    mode: &str,
+    native: bool,
+    intercept: bool,
+    app_init: bool,
+) -> serde_json::Value {
     let mut input = std::fs::read_to_string(here().join("tests/pod/deployment.yaml"))
         .unwrap()
         .replace("testapp:MODE", &format!("testapp:{mode}"));
@@ -57,6 +66,12 @@ fn injected_pod_spec(mode: &str, native: bool, intercept: bool) -> serde_json::V
         input = input.replace(
             "lameduck.io/intercept: disabled",
             "lameduck.io/intercept: enabled",
+        );
+    }
+    if app_init {
+        input = input.replace(
+            "      containers:\n",
+            &format!("      initContainers:\n        - {{name: {APP_INIT}, image: testapp:wait}}\n      containers:\n"),
         );
     }
     let args: &[&str] = if native {
@@ -86,6 +101,18 @@ fn images() -> HashMap<String, Image> {
             },
         );
     }
+    // The app's init container: one call to its upstream, which must answer.
+    let wait = "import os, sys, urllib.request\n\
+                url = 'http://' + os.environ['UPSTREAM'] + '/work?id=' + os.environ['ID']\n\
+                try:\n    sys.exit(0 if urllib.request.urlopen(url, timeout=5).status == 200 else 1)\n\
+                except OSError as error:\n    sys.exit(f'{url}: {error}')\n";
+    images.insert(
+        "testapp:wait".into(),
+        Image {
+            entrypoint: vec!["python3".into(), "-c".into(), wait.into()],
+            files: Vec::new(),
+        },
+    );
     for mode in ["graceful", "immediate"] {
         images.insert(
             format!("testapp:{mode}"),
@@ -114,6 +141,7 @@ fn running_pod(
     mode: &str,
     native: bool,
     intercept: bool,
+    app_init: bool,
 ) -> Result<Running, &'static str> {
     if Command::new("python3").arg("--version").output().is_err() {
         return Err("no python3 for the test app");
@@ -126,7 +154,8 @@ fn running_pod(
     {
         return Err("no iptables-nft for the pod's init container (Debian package iptables)");
     }
-    let mut pod = Pod::new(tag, injected_pod_spec(mode, native, intercept), images())?;
+    let spec = injected_pod_spec(mode, native, intercept, app_init);
+    let mut pod = Pod::new(tag, spec, images())?;
     let (peers, target, upstream) = if intercept {
         // The pod's peers and its upstream, outside it as in a cluster; the app calls the
         // upstream's own address, and nothing in the spec is changed.
@@ -145,6 +174,10 @@ fn running_pod(
         );
         let upstream = peers.run(move || Backend::start_on(SocketAddr::new(peer_ip, 0)));
         pod.add_env("app", "UPSTREAM", &upstream.addr.to_string());
+        if app_init {
+            pod.add_env(APP_INIT, "UPSTREAM", &upstream.addr.to_string());
+            pod.add_env(APP_INIT, "ID", &APP_INIT_ID.to_string());
+        }
         (peers, SocketAddr::new(pod_ip, APP_PORT), upstream)
     } else {
         // The upstream the app calls, outside the pod in a real cluster; here in its network
@@ -364,7 +397,7 @@ fn delete_under_load(tag: &str, mode: &str, native: bool, intercept: bool) {
         upstream,
         peers,
         target,
-    } = match running_pod(tag, mode, native, intercept) {
+    } = match running_pod(tag, mode, native, intercept, false) {
         Ok(running) => running,
         Err(why) => return support::skip(tag, why),
     };
@@ -540,7 +573,7 @@ fn deleting_an_intercepted_pod_under_load_loses_no_request() {
 fn a_restarted_app_container_is_served_again() {
     let Running {
         mut pod, upstream, ..
-    } = match running_pod("restart", "graceful", true, false) {
+    } = match running_pod("restart", "graceful", true, false, false) {
         Ok(running) => running,
         Err(why) => return support::skip("a_restarted_app_container_is_served_again", why),
     };
@@ -566,6 +599,43 @@ fn a_restarted_app_container_is_served_again() {
         );
     }
     assert!(upstream_ids(&upstream).contains(&1_000_002));
+    let deletion = pod.delete();
+    assert!(deletion.killed.is_empty(), "{}", pod.timeline.text());
+}
+
+/// Legacy mode has no proxy before the app containers: an init container of the app's that
+/// calls out (waiting for a dependency) reaches its upstream directly and the pod starts,
+/// where NAT rules installed first would send its connection to a port nobody listens on yet
+/// and leave the pod in Init. Then the app's own traffic goes through the proxy as usual.
+#[test]
+fn a_legacy_intercepted_pods_init_containers_reach_the_network() {
+    let test = "a_legacy_intercepted_pods_init_containers_reach_the_network";
+    let Running {
+        mut pod,
+        upstream,
+        peers,
+        target,
+    } = match running_pod("legacyinit", "graceful", false, true, true) {
+        Ok(running) => running,
+        Err(why) => return support::skip(test, why),
+    };
+    let timeline = pod.timeline.text();
+    assert!(upstream_ids(&upstream).contains(&APP_INIT_ID), "{timeline}");
+    let ended = |name: &str| {
+        let needle = format!("init container {name} ended");
+        pod.timeline
+            .when(&needle)
+            .unwrap_or_else(|| panic!("{needle}?\n{timeline}"))
+    };
+    assert!(
+        ended(APP_INIT) < ended("lameduck-init"),
+        "the NAT rules came first:\n{timeline}"
+    );
+    assert_eq!(
+        peers.run(move || status_of(target, "/work?id=77")),
+        Some(200)
+    );
+    assert!(upstream_ids(&upstream).contains(&77), "{timeline}");
     let deletion = pod.delete();
     assert!(deletion.killed.is_empty(), "{}", pod.timeline.text());
 }
