@@ -30,6 +30,7 @@ use tracing::{debug, info, warn};
 
 use crate::conns::Connections;
 use crate::drain::{Drain, ShutdownReason};
+use crate::lame_duck::LameDuck;
 use crate::metrics::Metrics;
 use crate::net::AcceptErrors;
 
@@ -44,7 +45,7 @@ pub struct Admin {
     pub metrics: Arc<Metrics>,
     pub shutdown_endpoint: bool,
     pub grace_period: Duration,
-    pub lame_duck_period: Duration,
+    pub lame_duck: Arc<LameDuck>,
 }
 
 /// Serves admin connections until the process exits.
@@ -193,7 +194,8 @@ fn status_json(admin: &Admin) -> String {
         "shutdown": shutdown,
         "quiesce": quiesce,
         "grace_period_ms": ms(admin.grace_period),
-        "lame_duck_period_ms": ms(admin.lame_duck_period),
+        "lame_duck_period_ms": ms(admin.lame_duck.policy().longest()),
+        "lame_duck": admin.lame_duck.status(),
     });
     format!("{status}\n")
 }

@@ -20,6 +20,7 @@ use crate::admin::{self, Admin};
 use crate::config::{Config, Direction, OutboundShutdown, Route};
 use crate::conns::Connections;
 use crate::drain::{Drain, Phase, ShutdownReason, signal_name};
+use crate::lame_duck::LameDuck;
 use crate::logging::Throttle;
 use crate::metrics::Metrics;
 use crate::net;
@@ -189,13 +190,14 @@ impl Bound {
         let drain = Arc::new(Drain::default());
         let conns = Arc::new(Connections::default());
         let metrics = Arc::new(Metrics::new(conns.clone(), drain.clone()));
+        let lame_duck = Arc::new(LameDuck::new(config.lame_duck, metrics.clone()));
         let admin_state = Admin {
             drain: drain.clone(),
             conns: conns.clone(),
             metrics: metrics.clone(),
             shutdown_endpoint: config.shutdown_endpoint,
             grace_period: config.shutdown_grace_period,
-            lame_duck_period: config.lame_duck_period,
+            lame_duck: lame_duck.clone(),
         };
         tokio::spawn(admin::serve(admin, Arc::new(admin_state)));
         info!(listen = %admin_addr, shutdown_endpoint = config.shutdown_endpoint, "admin server listening");
@@ -221,6 +223,7 @@ impl Bound {
                 .collect(),
             own_ports: Arc::default(),
             refusal_log: Mutex::new(Throttle::new(Duration::from_secs(1))),
+            lame_duck_ignore_sources: config.lame_duck_ignore_sources.clone(),
         });
         let mut inbound_routes = Vec::new();
         for Listener {
@@ -251,7 +254,7 @@ impl Bound {
             let inbound = Arc::new(InboundControl::new(
                 proxy.clone(),
                 inbound_routes,
-                config.lame_duck_period,
+                lame_duck.clone(),
                 config.shutdown_grace_period,
             ));
             info!(path = %path.display(), "control socket listening (inbound quiesce for preStop hooks)");
@@ -262,6 +265,7 @@ impl Bound {
             drain,
             conns,
             metrics,
+            lame_duck,
         }
     }
 }
@@ -272,6 +276,7 @@ struct Running {
     drain: Arc<Drain>,
     conns: Arc<Connections>,
     metrics: Arc<Metrics>,
+    lame_duck: Arc<LameDuck>,
 }
 
 impl Running {
@@ -300,11 +305,11 @@ impl Running {
         info!(
             trigger = %reason,
             grace_period = %humantime::format_duration(config.shutdown_grace_period),
-            lame_duck_period = %humantime::format_duration(config.lame_duck_period),
+            lame_duck = %config.lame_duck,
             open_connections = self.conns.len(),
             "shutdown started"
         );
-        let sequence = drain_sequence(drain, config);
+        let sequence = drain_sequence(drain, config, &self.lame_duck);
         tokio::pin!(sequence);
         let mut progress =
             tokio::time::interval_at((started + PROGRESS_INTERVAL).into(), PROGRESS_INTERVAL);
@@ -364,7 +369,7 @@ impl Running {
 /// Lame duck, then close the listeners, then wait until every connection has closed. After an
 /// inbound quiesce (the app's preStop hook) the lame duck has been served already: peers have
 /// stopped routing to the pod, and the app has exited (a native sidecar is signalled last).
-async fn drain_sequence(drain: &Drain, config: &Config) {
+async fn drain_sequence(drain: &Drain, config: &Config, lame_duck: &LameDuck) {
     let after_inbound = config.outbound_shutdown == OutboundShutdown::AfterInbound;
     let (inbound, outbound) = (
         drain.side(Direction::Inbound),
@@ -376,9 +381,14 @@ async fn drain_sequence(drain: &Drain, config: &Config) {
     }
     if drain.is_inbound_quiesced() {
         info!("the inbound side was quiesced already: no lame duck");
-    } else if !config.lame_duck_period.is_zero() {
-        info!(period = %humantime::format_duration(config.lame_duck_period), "lame duck: still accepting, asking connections to go away");
-        tokio::time::sleep(config.lame_duck_period).await;
+    } else {
+        // Every listener still accepting counts: new connections on any of them mean peers
+        // still send here.
+        let mut sides = vec![inbound.clone()];
+        if !after_inbound {
+            sides.push(outbound.clone());
+        }
+        lame_duck.run(&sides).await;
     }
     drain.set_phase(Phase::Draining);
     if after_inbound {

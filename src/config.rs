@@ -11,7 +11,7 @@
 
 use std::ffi::OsString;
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,8 +24,14 @@ pub const DEFAULT_INBOUND_ROUTE: &str = "0.0.0.0:4143=127.0.0.1:8080";
 pub const DEFAULT_ADMIN_ADDR: &str = "0.0.0.0:4191";
 /// How long a shutdown may take before the remaining connections are reset.
 pub const DEFAULT_SHUTDOWN_GRACE_PERIOD: Duration = Duration::from_secs(120);
-/// How long listeners keep accepting after the shutdown trigger.
+/// How long listeners keep accepting after the shutdown trigger, when no adaptive lame duck is
+/// asked for.
 pub const DEFAULT_LAME_DUCK_PERIOD: Duration = Duration::ZERO;
+/// An adaptive lame duck ends once no new connection has arrived for this long
+/// (docs/pod-lifecycle.md says why this figure).
+pub const DEFAULT_LAME_DUCK_QUIET_WINDOW: Duration = Duration::from_secs(1);
+/// An adaptive lame duck lasts at least this long, however quiet.
+pub const DEFAULT_LAME_DUCK_MIN: Duration = Duration::from_secs(2);
 /// How long a connection to a target may take.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an `auto` route waits for a client's first bytes before forwarding it as TCP.
@@ -84,6 +90,26 @@ pub struct ProxyArgs {
     /// connection to go away [env: LAMEDUCK_LAME_DUCK_PERIOD] [default: 0s]
     #[arg(long, value_name = "DURATION")]
     pub lame_duck_period: Option<String>,
+
+    /// Makes the lame duck adaptive: listeners keep accepting while new connections keep
+    /// arriving, for at most this long [env: LAMEDUCK_LAME_DUCK_MAX] [default: none]
+    #[arg(long, value_name = "DURATION")]
+    pub lame_duck_max: Option<String>,
+
+    /// An adaptive lame duck ends once no new connection has arrived for this long
+    /// [env: LAMEDUCK_LAME_DUCK_QUIET_WINDOW] [default: 1s]
+    #[arg(long, value_name = "DURATION")]
+    pub lame_duck_quiet_window: Option<String>,
+
+    /// An adaptive lame duck lasts at least this long [env: LAMEDUCK_LAME_DUCK_MIN] [default: 2s]
+    #[arg(long, value_name = "DURATION")]
+    pub lame_duck_min: Option<String>,
+
+    /// Peers whose new connections do not keep an adaptive lame duck open (the kubelet's
+    /// probes come from the node's address), comma-separated addresses or CIDRs
+    /// [env: LAMEDUCK_LAME_DUCK_IGNORE_SOURCES] [default: none]
+    #[arg(long, value_name = "CIDRS")]
+    pub lame_duck_ignore_sources: Option<String>,
 
     /// When outbound listeners close: with the inbound ones (immediate) or once every inbound
     /// connection has closed (after-inbound) [env: LAMEDUCK_OUTBOUND_SHUTDOWN] [default: immediate]
@@ -250,6 +276,88 @@ pub enum OutboundShutdown {
     AfterInbound,
 }
 
+/// How long listeners keep accepting, every connection asked to go away, once the shutdown
+/// or the inbound quiesce has started (docs/pod-lifecycle.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LameDuck {
+    /// A fixed period (zero: none).
+    Fixed(Duration),
+    /// While new connections keep arriving: it ends once none has for `quiet`, never before
+    /// `min` and never after `max`.
+    Adaptive {
+        quiet: Duration,
+        min: Duration,
+        max: Duration,
+    },
+}
+
+impl LameDuck {
+    /// The longest it can last.
+    pub fn longest(&self) -> Duration {
+        match *self {
+            LameDuck::Fixed(period) => period,
+            LameDuck::Adaptive { max, .. } => max,
+        }
+    }
+}
+
+impl fmt::Display for LameDuck {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let show = humantime::format_duration;
+        match *self {
+            LameDuck::Fixed(period) => write!(f, "fixed {}", show(period)),
+            LameDuck::Adaptive { quiet, min, max } => write!(
+                f,
+                "adaptive: until {} without a new connection, {} to {}",
+                show(quiet),
+                show(min),
+                show(max)
+            ),
+        }
+    }
+}
+
+/// An address block: `10.0.0.0/8`, `fd00::/8`, or one address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cidr {
+    addr: IpAddr,
+    prefix: u8,
+}
+
+impl Cidr {
+    /// `None` when `text` is no address or block.
+    pub fn parse(text: &str) -> Option<Cidr> {
+        let (addr, prefix) = text.trim().split_once('/').unwrap_or((text.trim(), ""));
+        let addr: IpAddr = addr.parse().ok()?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            "" => max,
+            prefix => prefix.parse::<u8>().ok().filter(|p| *p <= max)?,
+        };
+        Some(Cidr { addr, prefix })
+    }
+
+    /// Whether `ip` (an IPv4-mapped IPv6 address as its IPv4 one) is in the block.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let bits = |ip: IpAddr| match ip.to_canonical() {
+            IpAddr::V4(v4) => (u128::from(u32::from(v4)) << 96, true),
+            IpAddr::V6(v6) => (u128::from(v6), false),
+        };
+        let ((mine, mine_v4), (theirs, theirs_v4)) = (bits(self.addr), bits(ip));
+        let mask = match self.prefix {
+            0 => 0,
+            prefix => u128::MAX << (128 - u32::from(prefix)),
+        };
+        mine_v4 == theirs_v4 && (mine & mask) == (theirs & mask)
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogFormat {
     Plain,
@@ -262,7 +370,9 @@ pub struct Config {
     pub routes: Vec<Arc<Route>>,
     pub admin: SocketAddr,
     pub shutdown_grace_period: Duration,
-    pub lame_duck_period: Duration,
+    pub lame_duck: LameDuck,
+    /// Peers whose new connections do not count as arrivals of an adaptive lame duck.
+    pub lame_duck_ignore_sources: Vec<Cidr>,
     pub outbound_shutdown: OutboundShutdown,
     pub shutdown_endpoint: bool,
     /// The control socket of the inbound quiesce (docs/pod-lifecycle.md).
@@ -375,6 +485,26 @@ const LAME_DUCK: Setting = Setting {
     flag: "--lame-duck-period",
     var: "LAMEDUCK_LAME_DUCK_PERIOD",
     example: "0s, 5s or 1m",
+};
+const LAME_DUCK_MAX: Setting = Setting {
+    flag: "--lame-duck-max",
+    var: "LAMEDUCK_LAME_DUCK_MAX",
+    example: "30s or 2m",
+};
+const LAME_DUCK_QUIET: Setting = Setting {
+    flag: "--lame-duck-quiet-window",
+    var: "LAMEDUCK_LAME_DUCK_QUIET_WINDOW",
+    example: "1s or 500ms",
+};
+const LAME_DUCK_MIN: Setting = Setting {
+    flag: "--lame-duck-min",
+    var: "LAMEDUCK_LAME_DUCK_MIN",
+    example: "2s or 0s",
+};
+const LAME_DUCK_IGNORE: Setting = Setting {
+    flag: "--lame-duck-ignore-sources",
+    var: "LAMEDUCK_LAME_DUCK_IGNORE_SOURCES",
+    example: "10.0.0.7 or 10.0.0.7,fd00::7 or 10.0.0.0/24",
 };
 const OUTBOUND_SHUTDOWN: Setting = Setting {
     flag: "--outbound-shutdown",
@@ -539,22 +669,101 @@ impl Config {
             Some(raw) => parse_duration(raw, GRACE.example)?,
             None => DEFAULT_SHUTDOWN_GRACE_PERIOD,
         };
-        let lame_duck_period = match lookup(&LAME_DUCK, args.lame_duck_period)? {
-            Some(raw) => {
-                let period = parse_duration(&raw, LAME_DUCK.example)?;
-                if period > shutdown_grace_period {
+        let within_grace = |raw: &Raw, duration: Duration, example: &'static str| {
+            if duration > shutdown_grace_period {
+                return Err(raw.error(
+                    format!(
+                        "the lame duck must not be longer than the shutdown grace period ({})",
+                        humantime::format_duration(shutdown_grace_period)
+                    ),
+                    example,
+                ));
+            }
+            Ok(duration)
+        };
+        let period = lookup(&LAME_DUCK, args.lame_duck_period)?;
+        let max = lookup(&LAME_DUCK_MAX, args.lame_duck_max)?;
+        let quiet = lookup(&LAME_DUCK_QUIET, args.lame_duck_quiet_window)?;
+        let min = lookup(&LAME_DUCK_MIN, args.lame_duck_min)?;
+        let lame_duck = match (period, max) {
+            (Some(_), Some(max)) => {
+                return Err(max.error(
+                    format!(
+                        "a lame duck is either fixed ({}) or adaptive ({}), not both",
+                        LAME_DUCK.flag, LAME_DUCK_MAX.flag
+                    ),
+                    LAME_DUCK_MAX.example,
+                ));
+            }
+            (period, None) => {
+                if let Some(raw) = quiet.as_ref().or(min.as_ref()) {
                     return Err(raw.error(
-                        format!(
-                            "the lame-duck period must not be longer than the shutdown grace period ({})",
-                            humantime::format_duration(shutdown_grace_period)
-                        ),
-                        LAME_DUCK.example,
+                        format!("only for an adaptive lame duck ({})", LAME_DUCK_MAX.flag),
+                        LAME_DUCK_MAX.example,
                     ));
                 }
-                period
+                match period {
+                    Some(raw) => LameDuck::Fixed(within_grace(
+                        &raw,
+                        parse_duration(&raw, LAME_DUCK.example)?,
+                        LAME_DUCK.example,
+                    )?),
+                    None => LameDuck::Fixed(DEFAULT_LAME_DUCK_PERIOD),
+                }
             }
-            None => DEFAULT_LAME_DUCK_PERIOD,
+            (None, Some(raw_max)) => {
+                let max = parse_duration(&raw_max, LAME_DUCK_MAX.example)?;
+                let max = within_grace(&raw_max, max, LAME_DUCK_MAX.example)?;
+                if max.is_zero() {
+                    return Err(raw_max.error("must be longer than zero", LAME_DUCK_MAX.example));
+                }
+                let quiet = match quiet {
+                    Some(raw) => {
+                        let quiet = parse_duration(&raw, LAME_DUCK_QUIET.example)?;
+                        if quiet.is_zero() {
+                            return Err(
+                                raw.error("must be longer than zero", LAME_DUCK_QUIET.example)
+                            );
+                        }
+                        quiet
+                    }
+                    None => DEFAULT_LAME_DUCK_QUIET_WINDOW,
+                };
+                let min = match min {
+                    Some(raw) => {
+                        let min = parse_duration(&raw, LAME_DUCK_MIN.example)?;
+                        if min > max {
+                            return Err(raw.error(
+                                format!(
+                                    "longer than the lame duck's maximum ({})",
+                                    humantime::format_duration(max)
+                                ),
+                                LAME_DUCK_MIN.example,
+                            ));
+                        }
+                        min
+                    }
+                    None => DEFAULT_LAME_DUCK_MIN.min(max),
+                };
+                LameDuck::Adaptive { quiet, min, max }
+            }
         };
+        let lame_duck_ignore_sources =
+            match lookup(&LAME_DUCK_IGNORE, args.lame_duck_ignore_sources)? {
+                None => Vec::new(),
+                Some(raw) => {
+                    let blocks: Option<Vec<Cidr>> = raw
+                        .value
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|item| !item.is_empty())
+                        .map(Cidr::parse)
+                        .collect();
+                    blocks.ok_or_else(|| {
+                        raw.error("expected addresses or CIDRs", LAME_DUCK_IGNORE.example)
+                    })?
+                }
+            };
         let outbound_shutdown = match lookup(&OUTBOUND_SHUTDOWN, args.outbound_shutdown)? {
             Some(raw) => match raw.value.as_str() {
                 "immediate" => OutboundShutdown::Immediate,
@@ -675,7 +884,8 @@ impl Config {
             routes,
             admin,
             shutdown_grace_period,
-            lame_duck_period,
+            lame_duck,
+            lame_duck_ignore_sources,
             outbound_shutdown,
             shutdown_endpoint,
             drain_socket,
@@ -962,7 +1172,7 @@ mod tests {
         assert_eq!(route.protocol, Protocol::Auto);
         assert_eq!(config.admin, "0.0.0.0:4191".parse().unwrap());
         assert_eq!(config.shutdown_grace_period, Duration::from_secs(120));
-        assert_eq!(config.lame_duck_period, Duration::ZERO);
+        assert_eq!(config.lame_duck, LameDuck::Fixed(Duration::ZERO));
         assert_eq!(config.outbound_shutdown, OutboundShutdown::Immediate);
         assert!(!config.shutdown_endpoint);
         assert_eq!(config.connect_timeout, Duration::from_secs(5));
@@ -1187,6 +1397,96 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(error.setting, "--lame-duck-period");
+    }
+
+    #[test]
+    fn an_adaptive_lame_duck_takes_its_bounds_and_refuses_mixed_or_impossible_ones() {
+        let adaptive = config(
+            ProxyArgs {
+                lame_duck_max: Some("20s".into()),
+                ..Default::default()
+            },
+            &[("LAMEDUCK_LAME_DUCK_IGNORE_SOURCES", "10.1.2.3, fd00::/8")],
+        )
+        .unwrap();
+        assert_eq!(
+            adaptive.lame_duck,
+            LameDuck::Adaptive {
+                quiet: DEFAULT_LAME_DUCK_QUIET_WINDOW,
+                min: DEFAULT_LAME_DUCK_MIN,
+                max: Duration::from_secs(20)
+            }
+        );
+        let ignored = &adaptive.lame_duck_ignore_sources;
+        assert!(ignored[0].contains("10.1.2.3".parse().unwrap()));
+        assert!(ignored[0].contains("::ffff:10.1.2.3".parse().unwrap()));
+        assert!(!ignored[0].contains("10.1.2.4".parse().unwrap()));
+        assert!(ignored[1].contains("fd00::7".parse().unwrap()));
+        assert!(!ignored[1].contains("10.1.2.3".parse().unwrap()));
+        let short = config(
+            ProxyArgs {
+                lame_duck_max: Some("1s".into()),
+                lame_duck_quiet_window: Some("300ms".into()),
+                ..Default::default()
+            },
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            short.lame_duck,
+            LameDuck::Adaptive {
+                quiet: Duration::from_millis(300),
+                min: Duration::from_secs(1),
+                max: Duration::from_secs(1)
+            },
+            "the default minimum is cut to the maximum"
+        );
+        for (args, env, setting) in [
+            (
+                ProxyArgs {
+                    lame_duck_period: Some("5s".into()),
+                    lame_duck_max: Some("10s".into()),
+                    ..Default::default()
+                },
+                vec![],
+                "--lame-duck-max",
+            ),
+            (
+                ProxyArgs::default(),
+                vec![("LAMEDUCK_LAME_DUCK_QUIET_WINDOW", "1s")],
+                "LAMEDUCK_LAME_DUCK_QUIET_WINDOW",
+            ),
+            (
+                ProxyArgs {
+                    lame_duck_max: Some("10s".into()),
+                    lame_duck_min: Some("11s".into()),
+                    ..Default::default()
+                },
+                vec![],
+                "--lame-duck-min",
+            ),
+            (
+                ProxyArgs {
+                    shutdown_grace_period: Some("5s".into()),
+                    lame_duck_max: Some("6s".into()),
+                    ..Default::default()
+                },
+                vec![],
+                "--lame-duck-max",
+            ),
+            (
+                ProxyArgs {
+                    lame_duck_max: Some("10s".into()),
+                    lame_duck_ignore_sources: Some("node".into()),
+                    ..Default::default()
+                },
+                vec![],
+                "--lame-duck-ignore-sources",
+            ),
+        ] {
+            let error = config(args, &env).unwrap_err();
+            assert_eq!(error.setting, setting, "{error}");
+        }
     }
 
     #[test]

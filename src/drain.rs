@@ -11,6 +11,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -125,6 +126,17 @@ pub struct Side {
     /// out), and as a child of the drain's own with everything else ([`Drain::force_close`]):
     /// this side's connections are reset now.
     terminate: CancellationToken,
+    /// The last new connection that tells an adaptive lame duck its peers still send here
+    /// (its peer is not an ignored source): set by the accept loops, read by the lame duck.
+    last_arrival: Mutex<Option<Arrival>>,
+}
+
+/// A new connection, as the lame duck sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Arrival {
+    /// Tokio's clock, so that tests can pause it.
+    pub at: tokio::time::Instant,
+    pub from: IpAddr,
 }
 
 impl Side {
@@ -136,7 +148,21 @@ impl Side {
             listeners_closed: CancellationToken::new(),
             connections: TaskTracker::new(),
             terminate: terminate.child_token(),
+            last_arrival: Mutex::new(None),
         }
+    }
+
+    /// Records a new connection from `from` that counts for the lame duck.
+    pub fn arrived(&self, from: IpAddr) {
+        *lock(&self.last_arrival) = Some(Arrival {
+            at: tokio::time::Instant::now(),
+            from,
+        });
+    }
+
+    /// The last new connection that counted for the lame duck.
+    pub fn last_arrival(&self) -> Option<Arrival> {
+        *lock(&self.last_arrival)
     }
 
     /// Runs an accept loop of this side; it must end soon after [`Side::stop_accepting`]

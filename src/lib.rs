@@ -9,7 +9,8 @@
 //! - [`drain`]: the one owner of the shutdown (phases, the tokens connections listen to, the
 //!   trackers of their tasks), with verbs for the lifecycle to call;
 //! - [`conns`]: the registry of open connections behind `/connections` and the metrics;
-//!   [`metrics`]: Prometheus metrics;
+//!   [`metrics`]: Prometheus metrics; [`lame_duck`]: how long listeners keep accepting once
+//!   the shutdown or the inbound quiesce has started (fixed, or while connections arrive);
 //! - [`proxy`]: the data path: the accept loop, protocol detection, opaque TCP, and
 //!   [`proxy::http`] (serving HTTP/1 and HTTP/2, the proxy service, headers, bodies, the
 //!   clients towards targets);
@@ -24,6 +25,7 @@ pub mod commands;
 pub mod config;
 mod conns;
 mod drain;
+mod lame_duck;
 pub mod logging;
 mod metrics;
 mod net;

@@ -6,7 +6,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -90,6 +90,10 @@ pub struct Metrics {
     /// `[direction][status class 1xx..5xx]`, resolved once so a request only adds to a counter.
     requests: [[Counter; 5]; 2],
     request_durations: [Histogram; 2],
+    /// How long the last lame duck lasted, in seconds.
+    lame_duck_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// Lame ducks ended, by why.
+    lame_ducks: Family<[(&'static str, &'static str); 1], Counter>,
 }
 
 impl Metrics {
@@ -174,8 +178,25 @@ impl Metrics {
                 .get_or_create(&[("direction", direction.as_str())])
                 .clone()
         });
+        let lame_duck_seconds = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "lame_duck_seconds",
+            "How long the last lame duck lasted (listeners still accepting after the shutdown or the inbound quiesce started)",
+            lame_duck_seconds.clone(),
+        );
+        let lame_ducks = Family::<[(&'static str, &'static str); 1], Counter>::default();
+        registry.register(
+            "lame_ducks",
+            "Lame ducks ended, by why: quiet (no new connection for the quiet window), max (new connections still arriving at the maximum), period (a fixed period over)",
+            lame_ducks.clone(),
+        );
+        for why in ["quiet", "max", "period"] {
+            let _ = lame_ducks.get_or_create(&[("ended", why)]);
+        }
         registry.register_collector(Box::new(StateCollector { conns, drain }));
         Metrics {
+            lame_duck_seconds,
+            lame_ducks,
             registry,
             connections,
             connect_failures,
@@ -249,6 +270,12 @@ impl Metrics {
     /// The duration histogram of `direction`, for one request to observe when it ends.
     pub fn request_duration(&self, direction: Direction) -> Histogram {
         self.request_durations[direction as usize].clone()
+    }
+
+    /// A lame duck ended after `lasted`, for the reason `why` (`quiet`, `max`, `period`).
+    pub fn lame_duck_ended(&self, lasted: Duration, why: &'static str) {
+        self.lame_duck_seconds.set(lasted.as_secs_f64());
+        self.lame_ducks.get_or_create(&[("ended", why)]).inc();
     }
 
     pub fn force_closed(&self, count: u64) {

@@ -13,13 +13,13 @@ mod quiet;
 mod tcp;
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
-use crate::config::{HttpConfig, Route, Target, TcpConfig};
+use crate::config::{Cidr, HttpConfig, Route, Target, TcpConfig};
 use crate::conns::Connections;
 use crate::drain::Drain;
 use crate::logging::Throttle;
@@ -142,4 +142,16 @@ pub struct ProxyContext {
     pub own_ports: Arc<OwnPorts>,
     /// At most one log line a second about refused `orig-dst` connections.
     pub refusal_log: Mutex<Throttle>,
+    /// Peers whose new connections do not hold an adaptive lame duck open (the kubelet's
+    /// probes come from the node's address).
+    pub lame_duck_ignore_sources: Vec<Cidr>,
+}
+
+impl ProxyContext {
+    /// Whether a new connection from `peer` says nothing of whether peers still send here.
+    pub fn ignored_by_lame_duck(&self, peer: IpAddr) -> bool {
+        self.lame_duck_ignore_sources
+            .iter()
+            .any(|cidr| cidr.contains(peer))
+    }
 }

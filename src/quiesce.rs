@@ -42,6 +42,7 @@ use tracing::{info, warn};
 
 use crate::config::Direction;
 use crate::drain::Side;
+use crate::lame_duck::LameDuck;
 use crate::net;
 use crate::proxy::{self, ProxyContext, ProxyRoute};
 
@@ -85,7 +86,8 @@ pub struct InboundControl {
     proxy: Arc<ProxyContext>,
     /// Every inbound route, with its real listen address, to bind again on resume.
     routes: Vec<Arc<ProxyRoute>>,
-    lame_duck: Duration,
+    /// The proxy's lame duck, shared with the shutdown and `/status`.
+    lame_duck: Arc<LameDuck>,
     grace: Duration,
     state: tokio::sync::Mutex<State>,
     /// How many app containers hold a connection (legacy mode), and how many ever did.
@@ -96,7 +98,7 @@ impl InboundControl {
     pub fn new(
         proxy: Arc<ProxyContext>,
         routes: Vec<Arc<ProxyRoute>>,
-        lame_duck: Duration,
+        lame_duck: Arc<LameDuck>,
         grace: Duration,
     ) -> InboundControl {
         InboundControl {
@@ -157,12 +159,12 @@ impl InboundControl {
     }
 
     /// Lame duck, close the inbound listeners, drain; reset what is left at the grace period.
-    async fn run(&self, side: &Side) -> Outcome {
+    async fn run(&self, side: &Arc<Side>) -> Outcome {
         let started = Instant::now();
         let deadline = started + self.grace;
         let shutting_down = self.proxy.drain.reason().is_some();
         info!(
-            lame_duck_period = %humantime::format_duration(self.lame_duck),
+            lame_duck = %self.lame_duck.policy(),
             grace_period = %humantime::format_duration(self.grace),
             inbound_connections = self.inbound_open(),
             "inbound quiesce: /ready 503, asking inbound connections to go away"
@@ -173,7 +175,7 @@ impl InboundControl {
                 // The shutdown's own sequence runs the lame duck and closes the listeners.
                 side.listeners_closed().await;
             } else {
-                tokio::time::sleep(self.lame_duck).await;
+                self.lame_duck.run(std::slice::from_ref(side)).await;
                 side.close().await;
                 info!("inbound quiesce: inbound listeners closed, draining");
             }
@@ -295,7 +297,7 @@ async fn answer(stream: UnixStream, control: Arc<InboundControl>) {
                     .write_all(
                         format!(
                             "quiescing inbound: lame duck {}, grace period {}, {} inbound connections open\n",
-                            humantime::format_duration(control.lame_duck),
+                            control.lame_duck.policy(),
                             humantime::format_duration(control.grace),
                             control.inbound_open()
                         )

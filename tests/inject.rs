@@ -518,10 +518,15 @@ fn app_containers_get_the_drain_hooks_chained_with_their_own() {
     // A Job serves no inbound traffic: no lame duck that would hold up its completion.
     let job = out.split("\n---\n").nth(1).unwrap();
     assert_eq!(proxy_env(job, "LAMEDUCK_LAME_DUCK_PERIOD"), None);
+    assert_eq!(proxy_env(job, "LAMEDUCK_LAME_DUCK_MAX"), None);
     assert_eq!(
-        proxy_env(&out, "LAMEDUCK_LAME_DUCK_PERIOD").as_deref(),
-        Some("5s"),
-        "the default that covers endpoint propagation"
+        proxy_env(&out, "LAMEDUCK_LAME_DUCK_MAX").as_deref(),
+        Some("17500ms"),
+        "by default an adaptive lame duck, up to half the grace period (35 s here)"
+    );
+    assert!(
+        out.contains("name: LAMEDUCK_LAME_DUCK_IGNORE_SOURCES\n          valueFrom:\n            fieldRef:\n              fieldPath: status.hostIP\n"),
+        "the kubelet's probes come from the node: {out}"
     );
 }
 
@@ -566,13 +571,17 @@ fn the_pod_budget_covers_the_drain_then_the_apps_own_shutdown() {
             proxy_env(&out, "LAMEDUCK_SHUTDOWN_GRACE_PERIOD").as_deref(),
             Some(grace)
         );
-        let lame_duck = proxy_env(&out, "LAMEDUCK_LAME_DUCK_PERIOD").unwrap();
-        let lame_duck = humantime::parse_duration(&lame_duck).unwrap();
         let grace = humantime::parse_duration(grace).unwrap();
-        assert!(
-            lame_duck <= grace / 2 && lame_duck <= Duration::from_secs(5),
-            "{lame_duck:?} of {grace:?}: the drain after the lame duck gets half at least"
-        );
+        match proxy_env(&out, "LAMEDUCK_LAME_DUCK_MAX") {
+            Some(max) => {
+                let max = humantime::parse_duration(&max).unwrap();
+                assert!(
+                    max <= grace / 2 && max <= Duration::from_secs(30),
+                    "{max:?} of {grace:?}: the drain after the lame duck gets half at least"
+                );
+            }
+            None => assert!(grace.is_zero(), "no lame duck for a {grace:?} grace period"),
+        }
         assert!(
             err.contains(&format!(
                 "raised terminationGracePeriodSeconds from {} to {after}",
@@ -801,4 +810,58 @@ fn copy_binary_hands_over_a_working_executable() {
         .unwrap();
     assert!(help.status.success() && String::from_utf8_lossy(&help.stdout).contains("--shutdown"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The lame duck is adaptive unless the workload fixes a period; its bounds come from the
+/// annotations; a fixed period with adaptive bounds, or a minimum above the maximum, is refused.
+#[test]
+fn lame_duck_annotations_choose_fixed_or_adaptive() {
+    let pod = |annotations: &str| {
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: p\n  annotations: {{{annotations}}}\n\
+             spec:\n  containers:\n  - name: app\n    image: app:1\n"
+        )
+    };
+    let (code, out, err) = inject(
+        &pod(
+            "lameduck.io/lame-duck-max: 20s, lameduck.io/lame-duck-quiet-window: 3s, lameduck.io/lame-duck-min: 4s, lameduck.io/shutdown-grace-period: 60s",
+        ),
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    for (name, value) in [
+        ("LAMEDUCK_LAME_DUCK_MAX", "20s"),
+        ("LAMEDUCK_LAME_DUCK_QUIET_WINDOW", "3s"),
+        ("LAMEDUCK_LAME_DUCK_MIN", "4s"),
+    ] {
+        assert_eq!(proxy_env(&out, name).as_deref(), Some(value), "{name}");
+    }
+    assert_eq!(proxy_env(&out, "LAMEDUCK_LAME_DUCK_PERIOD"), None);
+    let (code, out, err) = inject(&pod("lameduck.io/lame-duck-period: 5s"), &[]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        proxy_env(&out, "LAMEDUCK_LAME_DUCK_PERIOD").as_deref(),
+        Some("5s")
+    );
+    assert_eq!(proxy_env(&out, "LAMEDUCK_LAME_DUCK_MAX"), None);
+    assert!(!out.contains("LAMEDUCK_LAME_DUCK_IGNORE_SOURCES"), "{out}");
+    for (annotations, named) in [
+        (
+            "lameduck.io/lame-duck-period: 5s, lameduck.io/lame-duck-max: 10s",
+            "lameduck.io/lame-duck-max",
+        ),
+        (
+            "lameduck.io/lame-duck-max: 10s, lameduck.io/lame-duck-min: 11s",
+            "lameduck.io/lame-duck-min",
+        ),
+        (
+            "lameduck.io/lame-duck-quiet-window: 0s",
+            "lameduck.io/lame-duck-quiet-window",
+        ),
+        ("lameduck.io/lame-duck-max: 1h", "lameduck.io/lame-duck-max"),
+    ] {
+        let (code, out, err) = inject(&pod(annotations), &[]);
+        assert_eq!(code, 2, "{annotations}: {out}");
+        assert!(err.contains(named), "{annotations}: {err}");
+    }
 }

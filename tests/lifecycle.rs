@@ -128,6 +128,92 @@ fn lame_duck_period_keeps_accepting_then_refuses() {
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
 
+/// Whether a connection from `source` (a loopback address) to `addr` is refused.
+fn refused_from(source: [u8; 4], addr: std::net::SocketAddr) -> bool {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket
+        .bind(&std::net::SocketAddr::from((source, 0)).into())
+        .unwrap();
+    match socket.connect_timeout(&addr.into(), Duration::from_secs(2)) {
+        Err(error) => error.kind() == std::io::ErrorKind::ConnectionRefused,
+        Ok(()) => false,
+    }
+}
+
+/// An adaptive lame duck: (the proxy's SIGTERM at t = 0) with `arrivals` of clients opening a
+/// new connection every 100 ms (each echoed), while a prober from an ignored source (as the
+/// kubelet's probes come from the node) connects until refused; returns when the first
+/// refusal came, and the proxy's /status meanwhile.
+fn adaptive_lame_duck(arrivals: Duration) -> (Duration, serde_json::Value) {
+    let echo = EchoServer::start();
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &echo.route("127.0.0.1:0"),
+        "--lame-duck-max=8s",
+        "--lame-duck-quiet-window=500ms",
+        "--lame-duck-min=0s",
+        "--lame-duck-ignore-sources=127.0.0.2",
+        "--shutdown-grace-period=15s",
+    ]);
+    let inbound = proxy.inbound[0];
+    let held = echo_connect(inbound);
+    let sent = Instant::now();
+    proxy.signal(libc::SIGTERM);
+    let clients = thread::spawn(move || {
+        let mut served = 0;
+        while sent.elapsed() < arrivals {
+            let mut stream = echo_connect(inbound);
+            echo_round_trip(&mut stream, b"still here?");
+            served += 1;
+            thread::sleep(Duration::from_millis(100));
+        }
+        served
+    });
+    wait_until("refused to the prober", PATIENCE, || {
+        refused_from([127, 0, 0, 2], inbound)
+    });
+    let refused = sent.elapsed();
+    let served = clients
+        .join()
+        .expect("a client's connection failed during the lame duck");
+    let status: serde_json::Value = serde_json::from_str(&proxy.get("/status").body).unwrap();
+    drop(held);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+    eprintln!(
+        "adaptive lame duck, arrivals for {arrivals:?}: {served} served, refused after {refused:?}"
+    );
+    (refused, status["lame_duck"].clone())
+}
+
+/// The adaptive lame duck lasts while new connections keep arriving (every one served), and
+/// ends once none has for the quiet window; the prober from an ignored source does not hold
+/// it open (alone, the lame duck ends after one quiet window, far from its 8 s maximum).
+#[test]
+fn adaptive_lame_duck_lasts_while_new_connections_arrive() {
+    let (refused, lame_duck) = adaptive_lame_duck(Duration::from_secs(2));
+    assert!(
+        refused >= Duration::from_secs(2),
+        "refused after {refused:?}, while clients still arrived"
+    );
+    assert!(
+        refused < Duration::from_secs(5),
+        "refused only after {refused:?}: the quiet window did not end it"
+    );
+    assert_eq!(lame_duck["ended"], "quiet", "{lame_duck}");
+    assert_eq!(
+        lame_duck["last_arrival"]["from"], "127.0.0.1",
+        "{lame_duck}"
+    );
+
+    let (refused, lame_duck) = adaptive_lame_duck(Duration::ZERO);
+    assert!(
+        refused < Duration::from_secs(4),
+        "refused only after {refused:?}: the ignored prober held the lame duck open"
+    );
+    assert_eq!(lame_duck["ended"], "quiet", "{lame_duck}");
+    assert!(lame_duck["last_arrival"].is_null(), "{lame_duck}");
+}
+
 #[test]
 fn tcp_stream_keeps_flowing_while_draining() {
     let echo = EchoServer::start();

@@ -543,3 +543,74 @@ fn wait_for_apps_returns_once_every_holder_is_gone() {
     );
     holding(3);
 }
+
+/// The preStop quiesce's lame duck is adaptive when asked: it lasts while new inbound
+/// connections keep arriving (each served, and asked to go away), `lameduck status` says why it
+/// is still open (the last arrival, from where) and then why it ended, and the hook returns a
+/// quiet window after the last one.
+#[test]
+fn an_adaptive_quiesce_lasts_while_connections_arrive_and_status_says_why() {
+    let backend = Backend::start();
+    let (_dir, socket) = shared_dir("adaptive");
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &backend.route("127.0.0.1:0"),
+        "--drain-socket",
+        &socket,
+        "--lame-duck-max=10s",
+        "--lame-duck-quiet-window=700ms",
+        "--lame-duck-min=0s",
+        "--shutdown-grace-period=20s",
+    ]);
+    let inbound = proxy.inbound[0];
+    let admin = proxy.admin.to_string();
+    let status = move || {
+        let output = Command::new(BIN)
+            .args(["status", "--admin", &admin])
+            .output()
+            .unwrap();
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let started = Instant::now();
+    let hook = spawn_hook("prestop", &socket, &[]);
+    wait_until("/ready answers 503", PATIENCE, || {
+        proxy.get("/ready").status == 503
+    });
+    // New connections for 2 s, each with a request that is served and told to go away.
+    let mut open_seen = String::new();
+    while started.elapsed() < Duration::from_secs(2) {
+        let mut stream = send_raw(inbound, &get("/arriving"));
+        let response = read_response(&mut stream).expect("served during the lame duck");
+        assert_eq!(response.status, 200);
+        assert_eq!(response.header("connection"), Some("close"));
+        if open_seen.is_empty() && started.elapsed() > Duration::from_secs(1) {
+            open_seen = status();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        open_seen.contains("lame duck:     open for")
+            && open_seen.contains("the last new connection")
+            && open_seen.contains("from 127.0.0.1"),
+        "{open_seen}"
+    );
+    let (code, out, took) = finish(hook, started);
+    assert!(code.success(), "{out}");
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(6),
+        "the hook returned after {took:?}: arrivals for 2 s, then a 700 ms quiet window"
+    );
+    let ended = status();
+    assert!(
+        ended.contains("lame duck:     ended after")
+            && ended.contains("no new connection for its quiet window"),
+        "{ended}"
+    );
+    assert_eq!(
+        proxy.metric("lameduck_lame_ducks_total{ended=\"quiet\"}"),
+        1.0
+    );
+    assert!(proxy.metric("lameduck_lame_duck_seconds") >= 2.0);
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}

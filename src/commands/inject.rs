@@ -43,6 +43,9 @@ mod write;
 pub const ANNOTATION_INJECT: &str = "lameduck.io/inject";
 pub const ANNOTATION_GRACE: &str = "lameduck.io/shutdown-grace-period";
 pub const ANNOTATION_LAME_DUCK: &str = "lameduck.io/lame-duck-period";
+pub const ANNOTATION_LAME_DUCK_MAX: &str = "lameduck.io/lame-duck-max";
+pub const ANNOTATION_LAME_DUCK_QUIET: &str = "lameduck.io/lame-duck-quiet-window";
+pub const ANNOTATION_LAME_DUCK_MIN: &str = "lameduck.io/lame-duck-min";
 pub const ANNOTATION_SHUTDOWN_ENDPOINT: &str = "lameduck.io/shutdown-endpoint";
 pub const ANNOTATION_INBOUND_PORTS: &str = "lameduck.io/inbound-ports";
 pub const ANNOTATION_NATIVE_SIDECAR: &str = "lameduck.io/native-sidecar";
@@ -53,10 +56,13 @@ pub const ANNOTATION_SKIP_OUTBOUND_PORTS: &str = "lameduck.io/skip-outbound-port
 pub const ANNOTATION_SKIP_OUTBOUND_CIDRS: &str = "lameduck.io/skip-outbound-cidrs";
 pub const ANNOTATION_LINKERD_SKIP_INBOUND_PORTS: &str = "config.linkerd.io/skip-inbound-ports";
 pub const ANNOTATION_LINKERD_SKIP_OUTBOUND_PORTS: &str = "config.linkerd.io/skip-outbound-ports";
-const KNOWN: [&str; 10] = [
+const KNOWN: [&str; 13] = [
     ANNOTATION_INJECT,
     ANNOTATION_GRACE,
     ANNOTATION_LAME_DUCK,
+    ANNOTATION_LAME_DUCK_MAX,
+    ANNOTATION_LAME_DUCK_QUIET,
+    ANNOTATION_LAME_DUCK_MIN,
     ANNOTATION_SHUTDOWN_ENDPOINT,
     ANNOTATION_INBOUND_PORTS,
     ANNOTATION_NATIVE_SIDECAR,
@@ -70,11 +76,12 @@ const KNOWN: [&str; 10] = [
 pub const PROXY_NAME: &str = "lameduck-proxy";
 /// Seconds between the proxy's grace period and the pod's, for the proxy to exit in.
 pub const GRACE_MARGIN_SECONDS: u64 = 5;
-/// The lame-duck period inject configures when the workload does not choose one: the seconds
-/// in which kube-proxy, ingresses and client-side pools still send new connections to a pod
-/// that is being deleted (Istio's default drain is 5 s too); at most half the grace period.
-/// Jobs serve no inbound traffic and get none, so that they complete without waiting.
-pub const DEFAULT_LAME_DUCK: Duration = Duration::from_secs(5);
+/// The longest adaptive lame duck inject configures when the workload chooses no lame duck
+/// (it ends earlier, once new connections stop arriving: docs/pod-lifecycle.md): long enough
+/// for a cloud load balancer's deregistration, and at most half the grace period, so that the
+/// drain after it has time too. Jobs serve no inbound traffic and get none, so that they
+/// complete without waiting.
+pub const DEFAULT_LAME_DUCK_MAX: Duration = Duration::from_secs(30);
 /// Kubernetes' default `terminationGracePeriodSeconds`.
 const DEFAULT_POD_GRACE_SECONDS: u64 = 30;
 /// The image the proxy container runs when `--image` is not given.
@@ -312,13 +319,25 @@ struct Settings {
     grace: Duration,
     /// `terminationGracePeriodSeconds` to set, when it must be raised.
     raise_pod_grace_to: Option<(u64, u64)>,
-    lame_duck: Option<Duration>,
+    lame_duck: Option<LameDuck>,
     shutdown_endpoint: Option<bool>,
     inbound_ports: Vec<u16>,
     native: bool,
     /// Transparent interception (the default), with what its rules skip; `None` for the
     /// explicit mode, where Services point at the proxy's port.
     intercept: Option<Intercept>,
+}
+
+/// The lame duck a pod template asks for (docs/pod-lifecycle.md).
+#[derive(Clone, Copy)]
+enum LameDuck {
+    Fixed(Duration),
+    /// `None`: the proxy's default.
+    Adaptive {
+        max: Duration,
+        quiet: Option<Duration>,
+        min: Option<Duration>,
+    },
 }
 
 /// What the NAT rules of an intercepted pod leave alone.
@@ -612,24 +631,78 @@ fn settings<'a>(
     });
     let needed = pod_budget(grace, pod_grace);
     let raise_pod_grace_to = (pod_grace < needed).then_some((pod_grace, needed));
+    let within_grace = |key: &str, value: &str| {
+        let period = duration(key, value)?;
+        if period > grace {
+            return Err(object.annotation_error(
+                key,
+                value,
+                format!(
+                    "longer than the shutdown grace period ({})",
+                    format_duration(grace)
+                ),
+            ));
+        }
+        Ok(period)
+    };
+    let adaptive_keys = [
+        ANNOTATION_LAME_DUCK_MAX,
+        ANNOTATION_LAME_DUCK_QUIET,
+        ANNOTATION_LAME_DUCK_MIN,
+    ];
     let lame_duck = match get(ANNOTATION_LAME_DUCK) {
         Some(value) => {
-            let period = duration(ANNOTATION_LAME_DUCK, value)?;
-            if period > grace {
+            if let Some(key) = adaptive_keys.iter().find(|key| get(key).is_some()) {
                 return Err(object.annotation_error(
-                    ANNOTATION_LAME_DUCK,
-                    value,
+                    key,
+                    get(key).unwrap_or_default(),
                     format!(
-                        "longer than the shutdown grace period ({})",
-                        format_duration(grace)
+                        "a lame duck is either fixed ({ANNOTATION_LAME_DUCK}) or adaptive, not both"
                     ),
                 ));
             }
-            Some(period)
+            Some(LameDuck::Fixed(within_grace(ANNOTATION_LAME_DUCK, value)?))
         }
-        None if is_job => None,
-        // At most half the grace period, so that the drain after the lame duck has time too.
-        None => Some(DEFAULT_LAME_DUCK.min(grace / 2)),
+        None if is_job && adaptive_keys.iter().all(|key| get(key).is_none()) => None,
+        None => {
+            let max = match get(ANNOTATION_LAME_DUCK_MAX) {
+                Some(value) => within_grace(ANNOTATION_LAME_DUCK_MAX, value)?,
+                // At most half the grace period, so that the drain after it has time too.
+                None => DEFAULT_LAME_DUCK_MAX.min(grace / 2),
+            };
+            let quiet = match get(ANNOTATION_LAME_DUCK_QUIET) {
+                Some(value) => {
+                    let quiet = duration(ANNOTATION_LAME_DUCK_QUIET, value)?;
+                    if quiet.is_zero() {
+                        return Err(object.annotation_error(
+                            ANNOTATION_LAME_DUCK_QUIET,
+                            value,
+                            "must be longer than zero",
+                        ));
+                    }
+                    Some(quiet)
+                }
+                None => None,
+            };
+            let min = match get(ANNOTATION_LAME_DUCK_MIN) {
+                Some(value) => {
+                    let min = duration(ANNOTATION_LAME_DUCK_MIN, value)?;
+                    if min > max {
+                        return Err(object.annotation_error(
+                            ANNOTATION_LAME_DUCK_MIN,
+                            value,
+                            format!(
+                                "longer than the lame duck's maximum ({})",
+                                format_duration(max)
+                            ),
+                        ));
+                    }
+                    Some(min)
+                }
+                None => None,
+            };
+            (!max.is_zero()).then_some(LameDuck::Adaptive { max, quiet, min })
+        }
     };
     let inbound_ports = match get(ANNOTATION_INBOUND_PORTS) {
         Some(value) => {
@@ -772,11 +845,28 @@ fn proxy_container(
         "LAMEDUCK_SHUTDOWN_GRACE_PERIOD",
         &format_duration(settings.grace),
     )];
-    if let Some(period) = settings.lame_duck {
-        env.push(env_var(
+    match settings.lame_duck {
+        None => {}
+        Some(LameDuck::Fixed(period)) => env.push(env_var(
             "LAMEDUCK_LAME_DUCK_PERIOD",
             &format_duration(period),
-        ));
+        )),
+        Some(LameDuck::Adaptive { max, quiet, min }) => {
+            env.push(env_var("LAMEDUCK_LAME_DUCK_MAX", &format_duration(max)));
+            for (name, value) in [
+                ("LAMEDUCK_LAME_DUCK_QUIET_WINDOW", quiet),
+                ("LAMEDUCK_LAME_DUCK_MIN", min),
+            ] {
+                if let Some(value) = value {
+                    env.push(env_var(name, &format_duration(value)));
+                }
+            }
+            // The kubelet's probes come from the node's address: they say nothing of whether
+            // the endpoint still points here.
+            env.push(yaml(
+                "{name: LAMEDUCK_LAME_DUCK_IGNORE_SOURCES, valueFrom: {fieldRef: {fieldPath: status.hostIP}}}",
+            ));
+        }
     }
     env.push(env_var("LAMEDUCK_DRAIN_SOCKET", SHARED_SOCKET));
     if let Some(enabled) = shutdown_endpoint {

@@ -98,6 +98,19 @@ fn seconds(ms: &Value) -> String {
     format!("{:.1}s", ms.as_u64().unwrap_or_default() as f64 / 1000.0)
 }
 
+/// `5.0s`, or `adaptive 1.0s quiet, 2.0s to 30.0s`.
+fn lame_duck_policy(lame_duck: &Value) -> String {
+    match lame_duck["mode"].as_str() {
+        Some("adaptive") => format!(
+            "adaptive: {} quiet, {} to {}",
+            seconds(&lame_duck["quiet_window_ms"]),
+            seconds(&lame_duck["min_ms"]),
+            seconds(&lame_duck["max_ms"]),
+        ),
+        _ => seconds(&lame_duck["period_ms"]),
+    }
+}
+
 /// The status as people read it.
 fn render(admin: SocketAddr, status: &Value, connections: &Value) -> String {
     let mut out = String::new();
@@ -112,8 +125,41 @@ fn render(admin: SocketAddr, status: &Value, connections: &Value) -> String {
         "phase:         {} ({ready}); grace period {}, lame duck {}",
         status["phase"].as_str().unwrap_or("?"),
         seconds(&status["grace_period_ms"]),
-        seconds(&status["lame_duck_period_ms"]),
+        lame_duck_policy(&status["lame_duck"]),
     );
+    let lame_duck = &status["lame_duck"];
+    let last = |arrival: &Value| match arrival["from"].as_str() {
+        Some(from) => format!(
+            "the last new connection {} ago from {from}",
+            seconds(&arrival["ms_ago"])
+        ),
+        None => "no new connection since it started".into(),
+    };
+    match lame_duck["state"].as_str() {
+        Some("open") => {
+            let _ = writeln!(
+                out,
+                "lame duck:     open for {} ({}); {}",
+                seconds(&lame_duck["elapsed_ms"]),
+                lame_duck_policy(lame_duck),
+                last(&lame_duck["last_arrival"]),
+            );
+        }
+        Some("ended") => {
+            let why = match lame_duck["ended"].as_str() {
+                Some("quiet") => "no new connection for its quiet window",
+                Some("max") => "its maximum, new connections still arriving",
+                _ => "its fixed period",
+            };
+            let _ = writeln!(
+                out,
+                "lame duck:     ended after {}: {why}; {}",
+                seconds(&lame_duck["lasted_ms"]),
+                last(&lame_duck["last_arrival"]),
+            );
+        }
+        _ => {}
+    }
     let quiesce = &status["quiesce"];
     if quiesce.is_null() {
         let _ = writeln!(out, "inbound:       serving");

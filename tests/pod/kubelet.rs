@@ -7,7 +7,8 @@
 //!   namespace per container: a path under one of the container's `mountPath`s, in its
 //!   command, args, env values and hook commands, is translated to the volume's folder, and a
 //!   path the image holds (`/usr/local/bin/lameduck`) to the file the test gives for it.
-//!   Nothing else of the spec is rewritten.
+//!   Nothing else of the spec is rewritten. Environment values come from `value`, or from the
+//!   downward API's `status.hostIP` ([`HOST_IP`]).
 //! - Each container is the init of a PID namespace of its own, and its hooks run inside it
 //!   (as a runtime's exec does), so that what a hook leaves behind dies with the container.
 //! - `runAsUser`/`runAsGroup` are honoured (no supplementary groups), `allowPrivilegeEscalation:
@@ -45,6 +46,10 @@ pub struct Image {
 }
 
 pub use crate::support::netns::NetNs;
+
+/// The node's address, as the downward API gives it (`status.hostIP`): none of the test's
+/// peers uses it, as none of a cluster's clients comes from the node's own address.
+pub const HOST_IP: &str = "10.79.255.254";
 
 /// What happened, when (from the pod's creation), in order: the kubelet's actions and every
 /// line the containers and hooks printed.
@@ -288,9 +293,12 @@ impl Pod {
             "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         );
         for var in container["env"].as_array().into_iter().flatten() {
-            let value = var["value"]
-                .as_str()
-                .expect("env values only, no valueFrom");
+            // The downward API: the node's address (the kubelet's probes come from it).
+            let value = match var.pointer("/valueFrom/fieldRef/fieldPath") {
+                Some(path) if path == "status.hostIP" => HOST_IP,
+                Some(path) => panic!("no downward API field {path} here"),
+                None => var["value"].as_str().expect("a value or a fieldRef"),
+            };
             command.env(
                 var["name"].as_str().unwrap(),
                 self.translate(container, value),
