@@ -256,8 +256,17 @@ fn every_workload_kind_as_native_sidecar() {
     );
     assert_eq!(
         out.matches("- prestop\n").count(),
-        out.matches("- poststart\n").count(),
-        "every app container gets both hooks"
+        out.matches("- poststart\n").count() + 8,
+        "every app container gets both hooks, and every proxy a preStop hook of its own"
+    );
+    let lines: Vec<&str> = out.lines().map(str::trim).collect();
+    assert_eq!(
+        lines
+            .windows(2)
+            .filter(|pair| pair == &["- /usr/local/bin/lameduck", "- prestop"])
+            .count(),
+        8,
+        "the proxy's own preStop hook quiesces the inbound side at the pod's termination"
     );
 }
 

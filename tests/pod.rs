@@ -50,15 +50,22 @@ fn here() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// What the test adds to `tests/pod/deployment.yaml` before injecting it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// Nothing.
+    AsIs,
+    /// An init container of the app's that calls the upstream before the app starts, as one
+    /// waiting for its database would.
+    AppInit,
+    /// The app container's own preStop hook, an `httpGet` (which cannot run after another,
+    /// so inject adds none of its own there) that takes 4 s to answer.
+    AppHttpHook,
+}
+
 /// The injected pod spec of `tests/pod/deployment.yaml` with the app image `testapp:MODE`,
-/// intercepted or in the explicit mode; with an init container of the app's that calls the
-/// upstream before the app starts (as one waiting for its database would) when `app_init`.
-fn injected_pod_spec(
-    mode: &str,
-    native: bool,
-    intercept: bool,
-    app_init: bool,
-) -> serde_json::Value {
+/// intercepted or in the explicit mode, with the test's `shape`.
+fn injected_pod_spec(mode: &str, native: bool, intercept: bool, shape: Shape) -> serde_json::Value {
     let mut input = std::fs::read_to_string(here().join("tests/pod/deployment.yaml"))
         .unwrap()
         .replace("testapp:MODE", &format!("testapp:{mode}"));
@@ -68,7 +75,13 @@ fn injected_pod_spec(
             "lameduck.io/intercept: enabled",
         );
     }
-    if app_init {
+    if shape == Shape::AppHttpHook {
+        input = input.replace(
+            "          securityContext:\n",
+            "          lifecycle: {preStop: {httpGet: {path: '/hook-sleep?s=4', port: 8080}}}\n          securityContext:\n",
+        );
+    }
+    if shape == Shape::AppInit {
         input = input.replace(
             "      containers:\n",
             &format!("      initContainers:\n        - {{name: {APP_INIT}, image: testapp:wait}}\n      containers:\n"),
@@ -141,7 +154,7 @@ fn running_pod(
     mode: &str,
     native: bool,
     intercept: bool,
-    app_init: bool,
+    shape: Shape,
 ) -> Result<Running, &'static str> {
     if Command::new("python3").arg("--version").output().is_err() {
         return Err("no python3 for the test app");
@@ -154,7 +167,7 @@ fn running_pod(
     {
         return Err("no iptables-nft for the pod's init container (Debian package iptables)");
     }
-    let spec = injected_pod_spec(mode, native, intercept, app_init);
+    let spec = injected_pod_spec(mode, native, intercept, shape);
     let mut pod = Pod::new(tag, spec, images())?;
     let (peers, target, upstream) = if intercept {
         // The pod's peers and its upstream, outside it as in a cluster; the app calls the
@@ -174,7 +187,7 @@ fn running_pod(
         );
         let upstream = peers.run(move || Backend::start_on(SocketAddr::new(peer_ip, 0)));
         pod.add_env("app", "UPSTREAM", &upstream.addr.to_string());
-        if app_init {
+        if shape == Shape::AppInit {
             pod.add_env(APP_INIT, "UPSTREAM", &upstream.addr.to_string());
             pod.add_env(APP_INIT, "ID", &APP_INIT_ID.to_string());
         }
@@ -397,7 +410,7 @@ fn delete_under_load(tag: &str, mode: &str, native: bool, intercept: bool) {
         upstream,
         peers,
         target,
-    } = match running_pod(tag, mode, native, intercept, false) {
+    } = match running_pod(tag, mode, native, intercept, Shape::AsIs) {
         Ok(running) => running,
         Err(why) => return support::skip(tag, why),
     };
@@ -573,7 +586,7 @@ fn deleting_an_intercepted_pod_under_load_loses_no_request() {
 fn a_restarted_app_container_is_served_again() {
     let Running {
         mut pod, upstream, ..
-    } = match running_pod("restart", "graceful", true, false, false) {
+    } = match running_pod("restart", "graceful", true, false, Shape::AsIs) {
         Ok(running) => running,
         Err(why) => return support::skip("a_restarted_app_container_is_served_again", why),
     };
@@ -615,7 +628,7 @@ fn a_legacy_intercepted_pods_init_containers_reach_the_network() {
         upstream,
         peers,
         target,
-    } = match running_pod("legacyinit", "graceful", false, true, true) {
+    } = match running_pod("legacyinit", "graceful", false, true, Shape::AppInit) {
         Ok(running) => running,
         Err(why) => return support::skip(test, why),
     };
@@ -638,4 +651,53 @@ fn a_legacy_intercepted_pods_init_containers_reach_the_network() {
     assert!(upstream_ids(&upstream).contains(&77), "{timeline}");
     let deletion = pod.delete();
     assert!(deletion.killed.is_empty(), "{}", pod.timeline.text());
+}
+
+/// An app container whose own preStop hook is an `httpGet` (the app's own wait, 4 s here) has
+/// no room for lameduck's, and the kubelet signals it when its hook returns. The proxy's own
+/// preStop hook, which the kubelet runs at the start of the pod's termination, quiesces the
+/// inbound side meanwhile: the lame duck and the drain happen before the app's SIGTERM, and
+/// no request is lost.
+#[test]
+fn the_proxys_own_prestop_starts_the_lame_duck_when_the_apps_hook_is_not_ours() {
+    let tag = "httphook";
+    let Running {
+        mut pod,
+        upstream,
+        peers,
+        target,
+    } = match running_pod(tag, "graceful", true, false, Shape::AppHttpHook) {
+        Ok(running) => running,
+        Err(why) => return support::skip(tag, why),
+    };
+    let load = Load::start(&peers, target);
+    load.flowing();
+    load.deleted();
+    let deletion = pod.delete();
+    let tally = load.finish();
+    let timeline = pod.timeline.text();
+    let report = report(&tally, &deletion);
+    assert!(
+        tally.failed.is_empty(),
+        "{tag}: failed requests (the first 10 of {}): {:?}\n{report}\n{timeline}",
+        tally.failed.len(),
+        &tally.failed[..tally.failed.len().min(10)]
+    );
+    assert!(tally.ok_after_deletion > 0, "{tag}: {report}");
+    let unanswered: Vec<_> = upstream_ids(&upstream)
+        .into_iter()
+        .filter(|id| !tally.answered.contains(id))
+        .collect();
+    assert!(unanswered.is_empty(), "{tag}: {unanswered:?}\n{timeline}");
+    let when = |what: &str| {
+        pod.timeline
+            .when(what)
+            .unwrap_or_else(|| panic!("{what}?\n{timeline}"))
+    };
+    assert!(timeline.contains("ok inbound drained"), "{tag}: {timeline}");
+    assert!(
+        when("preStop hook of lameduck-proxy ended") <= when("SIGTERM to app"),
+        "{tag}: the app was signalled before the inbound drain ended:\n{timeline}"
+    );
+    assert!(deletion.killed.is_empty(), "{tag}: {report}\n{timeline}");
 }

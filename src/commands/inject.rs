@@ -922,7 +922,9 @@ fn proxy_container(
         )),
     );
     container.insert("startupProbe".into(), probe("/ready", 1, 120));
-    container.insert("readinessProbe".into(), probe("/ready", 5, 3));
+    // Not ready within 4 s of the quiesce (2 probes 2 s apart), well inside the lame duck:
+    // when the pod stops without being deleted, failing readiness is what removes it.
+    container.insert("readinessProbe".into(), probe("/ready", 2, 2));
     container.insert("livenessProbe".into(), probe("/live", 10, 3));
     container.insert(
         "resources".into(),
@@ -937,19 +939,19 @@ fn proxy_container(
         )),
     );
     let mut container = Value::Mapping(container);
-    if !settings.native {
-        // An ordinary container is signalled with the app: its own preStop hook quiesces the
-        // inbound side too, then waits until every app container has exited, so that its
-        // SIGTERM (and the close of the outbound side) comes after the app's end.
-        chain_hook(
-            &mut container,
-            "preStop",
-            IMAGE_BINARY,
-            "prestop",
-            &["--wait-for-apps"],
-        )
+    // The proxy's own preStop hook marks the start of the pod's termination (the kubelet runs
+    // every container's preStop then, a native sidecar's too, and only its own before a
+    // liveness restart): it quiesces the inbound side, so that the lame duck starts even when
+    // an app container's own hook (httpGet) left no room for ours. In legacy mode the proxy
+    // is signalled with the app: its hook then also waits until every app container has
+    // exited, so that its SIGTERM (and the close of the outbound side) comes after the app's.
+    let extra: &[&str] = if settings.native {
+        &[]
+    } else {
+        &["--wait-for-apps"]
+    };
+    chain_hook(&mut container, "preStop", IMAGE_BINARY, "prestop", extra)
         .expect("the proxy container has no hook of its own");
-    }
     container
 }
 

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 MODE = sys.argv[1]
 _host, _, _port = os.environ.get("UPSTREAM", "127.0.0.1:4140").rpartition(":")
@@ -40,6 +41,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
     timeout = 1
 
     def do_GET(self):
+        if self.path.startswith("/hook-sleep?s="):
+            # The app's own httpGet preStop hook: its own wait before the kubelet signals it.
+            time.sleep(float(self.path.partition("=")[2]))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         # The query names the client's request, so the test can match the upstream's record.
         query = self.path.partition("?")[2]
         status = call_upstream("/upstream?" + query)

@@ -19,8 +19,9 @@
 //! - Start: init containers in order; one with `restartPolicy: Always` (a native sidecar) is
 //!   left running once its startup probe (httpGet) passes; then the app containers, each with
 //!   its postStart hook (exec).
-//! - Deletion: every app container's preStop hook, then its SIGTERM, in parallel; once every
-//!   app container has exited, the sidecars get SIGTERM in reverse order; anything still
+//! - Deletion: every container's preStop hook at once (a sidecar's too), each app container's
+//!   SIGTERM after its own hook; once every app container has exited (and the sidecars'
+//!   hooks have returned), the sidecars get SIGTERM in reverse order; anything still
 //!   running at `terminationGracePeriodSeconds` (counted from the hooks' start) is SIGKILLed.
 //!   In legacy mode (the proxy an ordinary container) every container is treated so at once.
 //! - Restart of one container (a failed liveness probe): its preStop hook, SIGTERM, then it
@@ -365,6 +366,23 @@ impl Pod {
         deadline: Instant,
     ) -> Option<i32> {
         let name = container["name"].as_str().unwrap();
+        if let Some(get) = container["lifecycle"][event]["httpGet"].as_object() {
+            // The kubelet's GET to the container's port (on the pod's address; here its
+            // loopback, which the pod's NAT rules leave alone as they leave the node's).
+            let port = self.port(container, &get["port"]);
+            let path = get["path"].as_str().unwrap_or("/").to_string();
+            self.timeline.note(format!(
+                "kubelet: {event} hook of {name}: GET {path} on port {port}"
+            ));
+            let patience = deadline.saturating_duration_since(Instant::now());
+            let status = self
+                .netns
+                .run(move || http_status_within(port, &path, patience));
+            self.timeline.note(format!(
+                "kubelet: {event} hook of {name} ended: HTTP {status:?}"
+            ));
+            return None;
+        }
         let command = container["lifecycle"][event]["exec"]["command"].as_array()?;
         let argv: Vec<String> = command
             .iter()
@@ -484,21 +502,34 @@ impl Pod {
         let apps = std::mem::take(&mut self.apps);
         let sidecars = std::mem::take(&mut self.sidecars);
         let this: &Pod = self;
-        let results: Vec<_> = thread::scope(|scope| {
+        // Every container's preStop hook runs at once, a sidecar's too (kuberuntime's
+        // killContainer runs it before the sidecar waits for its turn); the app containers
+        // are signalled after their own.
+        let (results, sidecar_hooks): (Vec<_>, Vec<_>) = thread::scope(|scope| {
+            let sidecar_hooks: Vec<_> = sidecars
+                .iter()
+                .map(|running| scope.spawn(move || this.pre_stop(running, deadline)))
+                .collect();
             let stops: Vec<_> = apps
                 .into_iter()
                 .map(|running| scope.spawn(move || this.stop(running, started, deadline)))
                 .collect();
-            stops.into_iter().map(|stop| stop.join().unwrap()).collect()
+            (
+                stops.into_iter().map(|stop| stop.join().unwrap()).collect(),
+                sidecar_hooks
+                    .into_iter()
+                    .map(|hook| hook.join().unwrap())
+                    .collect(),
+            )
         });
         for (hook, exit, killed) in results {
             deletion.hooks.extend(hook);
             deletion.exits.push(exit);
             deletion.killed.extend(killed);
         }
+        deletion.hooks.extend(sidecar_hooks.into_iter().flatten());
         for running in sidecars.into_iter().rev() {
-            let (hook, exit, killed) = this.stop(running, started, deadline);
-            deletion.hooks.extend(hook);
+            let (exit, killed) = this.terminate(running, started, deadline);
             deletion.exits.push(exit);
             deletion.killed.extend(killed);
         }
@@ -510,7 +541,7 @@ impl Pod {
     #[allow(clippy::type_complexity)]
     fn stop(
         &self,
-        mut running: Running,
+        running: Running,
         started: Instant,
         deadline: Instant,
     ) -> (
@@ -518,15 +549,35 @@ impl Pod {
         (String, Duration, ExitStatus),
         Option<String>,
     ) {
+        let hook = self.pre_stop(&running, deadline);
+        let (exit, killed) = self.terminate(running, started, deadline);
+        (hook, exit, killed)
+    }
+
+    /// The container's preStop hook (exec), if it has one: its name, how long it took, its
+    /// exit code (`None`: killed at the deadline).
+    fn pre_stop(
+        &self,
+        running: &Running,
+        deadline: Instant,
+    ) -> Option<(String, Duration, Option<i32>)> {
         let hook_started = Instant::now();
-        let hook = self
-            .run_hook(&running.spec, running.init, "preStop", deadline)
+        self.run_hook(&running.spec, running.init, "preStop", deadline)
             .map(|code| (running.name.clone(), hook_started.elapsed(), Some(code)))
             .or_else(|| {
                 running.spec["lifecycle"]["preStop"]["exec"]
                     .is_object()
                     .then(|| (running.name.clone(), hook_started.elapsed(), None))
-            });
+            })
+    }
+
+    /// SIGTERM, wait; SIGKILL at the deadline.
+    fn terminate(
+        &self,
+        mut running: Running,
+        started: Instant,
+        deadline: Instant,
+    ) -> ((String, Duration, ExitStatus), Option<String>) {
         self.timeline
             .note(format!("kubelet: SIGTERM to {}", running.name));
         // SAFETY: kill(2) on our own child.
@@ -554,7 +605,7 @@ impl Pod {
             "kubelet: container {} exited: {status}",
             running.name
         ));
-        (hook, (running.name, started.elapsed(), status), killed)
+        ((running.name, started.elapsed(), status), killed)
     }
 
     /// Runs `argv` in a running app container, as `kubectl exec` does: its exit code and
@@ -632,9 +683,14 @@ fn init_of(unshare: u32) -> u32 {
 
 /// `GET path` on 127.0.0.1:`port` of the calling thread's network namespace.
 pub fn http_status(port: u16, path: &str) -> Option<u16> {
+    http_status_within(port, path, Duration::from_secs(2))
+}
+
+/// [`http_status`], waiting at most `patience` for the answer.
+fn http_status_within(port: u16, path: &str, patience: Duration) -> Option<u16> {
     let mut stream =
         TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(1)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    stream.set_read_timeout(Some(patience)).ok()?;
     stream
         .write_all(
             format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
