@@ -18,9 +18,10 @@
 #[path = "pod/kubelet.rs"]
 mod kubelet;
 mod support;
+#[path = "pod/testapp.rs"]
+mod testapp;
 
-use std::collections::{HashMap, HashSet};
-use std::io::{ErrorKind, Write};
+use std::collections::HashSet;
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::Command;
@@ -28,10 +29,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kubelet::{Deletion, Image, NetNs, Pod, http_status};
+use kubelet::{Deletion, NetNs, Pod, http_status};
 use serde::Deserialize;
-use support::BIN;
-use support::backend::{Backend, read_response};
+use support::backend::Backend;
+use testapp::{Answer, images, status_of};
 
 const INBOUND: u16 = 4143;
 /// The app's own init container, and the id of its one call to the upstream.
@@ -97,45 +98,6 @@ fn injected_pod_spec(mode: &str, native: bool, intercept: bool, shape: Shape) ->
     let document =
         serde_norway::Value::deserialize(serde_norway::Deserializer::from_str(&yaml)).unwrap();
     serde_json::to_value(document).unwrap()["spec"]["template"]["spec"].clone()
-}
-
-fn images() -> HashMap<String, Image> {
-    let app = here().join("tests/pod/app.py").display().to_string();
-    let mut images = HashMap::new();
-    for image in [
-        lameduck::commands::inject::DEFAULT_IMAGE,
-        lameduck::commands::inject::DEFAULT_INIT_IMAGE,
-    ] {
-        images.insert(
-            image.to_string(),
-            Image {
-                entrypoint: vec!["/usr/local/bin/lameduck".into()],
-                files: vec![("/usr/local/bin/lameduck".into(), BIN.into())],
-            },
-        );
-    }
-    // The app's init container: one call to its upstream, which must answer.
-    let wait = "import os, sys, urllib.request\n\
-                url = 'http://' + os.environ['UPSTREAM'] + '/work?id=' + os.environ['ID']\n\
-                try:\n    sys.exit(0 if urllib.request.urlopen(url, timeout=5).status == 200 else 1)\n\
-                except OSError as error:\n    sys.exit(f'{url}: {error}')\n";
-    images.insert(
-        "testapp:wait".into(),
-        Image {
-            entrypoint: vec!["python3".into(), "-c".into(), wait.into()],
-            files: Vec::new(),
-        },
-    );
-    for mode in ["graceful", "immediate"] {
-        images.insert(
-            format!("testapp:{mode}"),
-            Image {
-                entrypoint: vec!["python3".into(), app.clone(), mode.into()],
-                files: Vec::new(),
-            },
-        );
-    }
-    images
 }
 
 /// A pod ready to serve: where its peers run and call it, and its upstream.
@@ -223,17 +185,6 @@ fn running_pod(
         peers,
         target,
     })
-}
-
-/// The status of a GET of `path` at `addr`; None when it cannot be had.
-fn status_of(addr: SocketAddr, path: &str) -> Option<u16> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: shop\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).ok()?;
-    read_response(&mut stream)
-        .ok()
-        .map(|response| response.status)
 }
 
 #[derive(Debug, Default)]
@@ -342,52 +293,28 @@ fn client(
         }
         let (stream, reused) = connection.as_mut().unwrap();
         let id = ids.fetch_add(1, Ordering::SeqCst);
-        let close = if keep_alive {
-            ""
-        } else {
-            "Connection: close\r\n"
-        };
-        let request = format!("GET /work?id={id} HTTP/1.1\r\nHost: shop\r\n{close}\r\n");
-        let sent = stream.write_all(request.as_bytes());
-        let response = sent.and_then(|()| read_response(stream));
+        let answer = testapp::exchange(stream, id, keep_alive, *reused);
         let mut tally = tally.lock().unwrap();
-        match response {
-            Ok(response) if response.status == 200 => {
+        match answer {
+            Answer::Ok { closing } => {
                 tally.ok += 1;
                 tally.answered.insert(id);
                 if deleted.is_some() {
                     tally.ok_after_deletion += 1;
                 }
-                let closing = response.header("connection") == Some("close");
-                if closing || !keep_alive {
+                if closing {
                     connection = None;
                 } else {
                     *reused = true;
                 }
             }
-            Ok(response) => {
-                tally.failed.push(format!(
-                    "id {id}: {} {}",
-                    response.status,
-                    String::from_utf8_lossy(&response.body).trim()
-                ));
-                connection = None;
-            }
-            Err(error)
-                if *reused
-                    && matches!(
-                        error.kind(),
-                        ErrorKind::ConnectionAborted
-                            | ErrorKind::ConnectionReset
-                            | ErrorKind::BrokenPipe
-                    ) =>
-            {
+            Answer::Retry => {
                 tally.retried += 1;
                 tally.retried_ids.insert(id);
                 connection = None;
             }
-            Err(error) => {
-                tally.failed.push(format!("id {id}: {error}"));
+            Answer::Failed(why) => {
+                tally.failed.push(why);
                 connection = None;
             }
         }

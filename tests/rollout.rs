@@ -25,11 +25,12 @@
 #[allow(dead_code)]
 mod kubelet;
 mod support;
+#[path = "pod/testapp.rs"]
+mod testapp;
 
 use std::collections::{HashMap, HashSet};
-use std::io::{ErrorKind, Write};
+use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -39,7 +40,8 @@ use std::time::{Duration, Instant};
 use kubelet::{Image, NetNs, Pod};
 use serde::Deserialize;
 use support::BIN;
-use support::backend::{Backend, read_response};
+use support::backend::Backend;
+use testapp::{Answer, status_of};
 
 const REPLICAS: usize = 3;
 const APP_PORT: u16 = 8080;
@@ -336,21 +338,9 @@ fn restore(netns: &NetNs, rules: &str) -> Result<(), &'static str> {
     Ok(())
 }
 
+/// The pod test's images, and the HTTP/2 app: a lameduck relaying to the upstream.
 fn images(upstream: SocketAddr) -> HashMap<String, Image> {
-    let app = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/pod/app.py");
-    let mut images = HashMap::new();
-    for image in [
-        lameduck::commands::inject::DEFAULT_IMAGE,
-        lameduck::commands::inject::DEFAULT_INIT_IMAGE,
-    ] {
-        images.insert(
-            image.to_string(),
-            Image {
-                entrypoint: vec!["/usr/local/bin/lameduck".into()],
-                files: vec![("/usr/local/bin/lameduck".into(), BIN.into())],
-            },
-        );
-    }
+    let mut images = testapp::images();
     images.insert(
         "testapp:relay".into(),
         Image {
@@ -368,27 +358,7 @@ fn images(upstream: SocketAddr) -> HashMap<String, Image> {
             files: vec![("/usr/local/bin/lameduck".into(), BIN.into())],
         },
     );
-    for mode in ["graceful", "immediate"] {
-        images.insert(
-            format!("testapp:{mode}"),
-            Image {
-                entrypoint: vec!["python3".into(), app.display().to_string(), mode.into()],
-                files: Vec::new(),
-            },
-        );
-    }
     images
-}
-
-/// The status of a GET of `path` at `addr`; None when it cannot be had.
-fn status_of(addr: SocketAddr, path: &str) -> Option<u16> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: shop\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).ok()?;
-    read_response(&mut stream)
-        .ok()
-        .map(|response| response.status)
 }
 
 /// One client of the Service: requests until `stop`, on one keep-alive connection at a time,
@@ -423,47 +393,25 @@ fn client(
         }
         let (stream, reused) = connection.as_mut().unwrap();
         let id = ids.fetch_add(1, Ordering::SeqCst);
-        let close = if keep_alive {
-            ""
-        } else {
-            "Connection: close\r\n"
-        };
-        let request = format!("GET /work?id={id} HTTP/1.1\r\nHost: shop\r\n{close}\r\n");
-        let response = stream
-            .write_all(request.as_bytes())
-            .and_then(|()| read_response(stream));
+        let answer = testapp::exchange(stream, id, keep_alive, *reused);
         let mut tally = tally.lock().unwrap();
-        match response {
-            Ok(response) if response.status == 200 => {
+        match answer {
+            Answer::Ok { closing } => {
                 tally.ok += 1;
                 tally.answered.insert(id);
-                let closing = response.header("connection") == Some("close");
-                if closing || !keep_alive {
+                if closing {
                     connection = None;
                 } else {
                     *reused = true;
                 }
             }
-            Ok(response) => {
-                tally.failed.push(format!("id {id}: {}", response.status));
-                connection = None;
-            }
-            Err(error)
-                if *reused
-                    && matches!(
-                        error.kind(),
-                        ErrorKind::ConnectionAborted
-                            | ErrorKind::ConnectionReset
-                            | ErrorKind::BrokenPipe
-                            | ErrorKind::UnexpectedEof
-                    ) =>
-            {
+            Answer::Retry => {
                 tally.retried += 1;
                 tally.retried_ids.insert(id);
                 connection = None;
             }
-            Err(error) => {
-                tally.failed.push(format!("id {id}: {error}"));
+            Answer::Failed(why) => {
+                tally.failed.push(why);
                 connection = None;
             }
         }

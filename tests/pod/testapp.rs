@@ -1,0 +1,116 @@
+//! What the pod tests run in their pods and how their clients talk to them: the images (the
+//! lameduck binary, the test app `app.py`), and one HTTP/1.1 exchange judged as a client of a
+//! real service would judge it.
+
+use std::collections::HashMap;
+use std::io::{ErrorKind, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::time::Duration;
+
+use crate::kubelet::Image;
+use crate::support::BIN;
+use crate::support::backend::read_response;
+
+/// The images: `lameduck:<version>` and `lameduck-init:<version>` (the binary), and
+/// `testapp:graceful`, `testapp:immediate` (app.py) and `testapp:wait` (an init container that
+/// calls `$UPSTREAM` once with `id=$ID` and fails unless it answers).
+pub fn images() -> HashMap<String, Image> {
+    let app = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/pod/app.py")
+        .display()
+        .to_string();
+    let mut images = HashMap::new();
+    for image in [
+        lameduck::commands::inject::DEFAULT_IMAGE,
+        lameduck::commands::inject::DEFAULT_INIT_IMAGE,
+    ] {
+        images.insert(
+            image.to_string(),
+            Image {
+                entrypoint: vec!["/usr/local/bin/lameduck".into()],
+                files: vec![("/usr/local/bin/lameduck".into(), BIN.into())],
+            },
+        );
+    }
+    let wait = "import os, sys, urllib.request\n\
+                url = 'http://' + os.environ['UPSTREAM'] + '/work?id=' + os.environ['ID']\n\
+                try:\n    sys.exit(0 if urllib.request.urlopen(url, timeout=5).status == 200 else 1)\n\
+                except OSError as error:\n    sys.exit(f'{url}: {error}')\n";
+    images.insert(
+        "testapp:wait".into(),
+        Image {
+            entrypoint: vec!["python3".into(), "-c".into(), wait.into()],
+            files: Vec::new(),
+        },
+    );
+    for mode in ["graceful", "immediate"] {
+        images.insert(
+            format!("testapp:{mode}"),
+            Image {
+                entrypoint: vec!["python3".into(), app.clone(), mode.into()],
+                files: Vec::new(),
+            },
+        );
+    }
+    images
+}
+
+/// The status of a GET of `path` at `addr`; None when it cannot be had.
+pub fn status_of(addr: SocketAddr, path: &str) -> Option<u16> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: shop\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).ok()?;
+    read_response(&mut stream)
+        .ok()
+        .map(|response| response.status)
+}
+
+/// How one request went, for its client.
+pub enum Answer {
+    /// 200; `closing`: the connection is not to be used again.
+    Ok { closing: bool },
+    /// Anything but a 200, or an error: a failed request.
+    Failed(String),
+    /// A reused keep-alive connection closed before any byte of the response: every HTTP
+    /// client sends such a request again on a new connection (right only if the app never
+    /// saw it, which the tests check against the upstream's record).
+    Retry,
+}
+
+/// Sends `GET /work?id=ID` on `stream` and reads the answer; `reused` says whether the
+/// connection served a request before.
+pub fn exchange(stream: &mut TcpStream, id: u64, keep_alive: bool, reused: bool) -> Answer {
+    let close = if keep_alive {
+        ""
+    } else {
+        "Connection: close\r\n"
+    };
+    let request = format!("GET /work?id={id} HTTP/1.1\r\nHost: shop\r\n{close}\r\n");
+    let response = stream
+        .write_all(request.as_bytes())
+        .and_then(|()| read_response(stream));
+    match response {
+        Ok(response) if response.status == 200 => Answer::Ok {
+            closing: !keep_alive || response.header("connection") == Some("close"),
+        },
+        Ok(response) => Answer::Failed(format!(
+            "id {id}: {} {}",
+            response.status,
+            String::from_utf8_lossy(&response.body).trim()
+        )),
+        Err(error)
+            if reused
+                && matches!(
+                    error.kind(),
+                    ErrorKind::ConnectionAborted
+                        | ErrorKind::ConnectionReset
+                        | ErrorKind::BrokenPipe
+                ) =>
+        {
+            Answer::Retry
+        }
+        Err(error) => Answer::Failed(format!("id {id}: {error}")),
+    }
+}
