@@ -19,6 +19,28 @@ fn wait_seen(backend: &Backend, path: &str) {
     });
 }
 
+/// A `Connection` header may name other headers as hop-by-hop, but never `Host`: the app sees
+/// the client's Host, never the proxy's idea of the target (`127.0.0.1:port`), whichever
+/// engine forwards the request.
+#[test]
+fn connection_naming_host_never_replaces_the_clients_host() {
+    let backend = Backend::start();
+    let proxy = proxy_for(&backend, &[]);
+    for (request, what) in [
+        (&b"GET /a HTTP/1.1\r\nHost: app.local\r\nConnection: host\r\n\r\n"[..], "bodiless"),
+        (
+            &b"POST /b HTTP/1.1\r\nHost: app.local\r\nConnection: Host, keep-alive\r\nContent-Length: 2\r\n\r\nhi"[..],
+            "with a body",
+        ),
+    ] {
+        let mut client = send_raw(proxy.inbound[0], request);
+        let response = read_response(&mut client).unwrap();
+        assert_eq!(response.status, 200, "{what}");
+        let seen = backend.seen().pop().unwrap();
+        assert_eq!(seen.header("host"), Some("app.local"), "{what}: {seen:?}");
+    }
+}
+
 #[test]
 fn http1_requests_reach_the_app_with_their_host_and_without_hop_by_hop_headers() {
     let backend = Backend::start();

@@ -162,7 +162,10 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
             .iter()
             .flat_map(tokens)
             .filter(|token| {
+                // `Connection: host` must not make the target see another Host than the
+                // client's (an app's Host-based "local only" check would be defeated).
                 !token.eq_ignore_ascii_case("close")
+                    && !token.eq_ignore_ascii_case("host")
                     && !HOP_BY_HOP
                         .iter()
                         .any(|hop| token.eq_ignore_ascii_case(hop.as_str()))
