@@ -305,3 +305,33 @@ fn a_client_that_gives_up_cancels_its_request() {
     });
     assert!(proxy.is_running());
 }
+
+/// The same rules whichever engine forwards: a bodiless GET goes through the fast lane, the
+/// same GET with `Content-Length: 0` through hyper. A response with both Transfer-Encoding and
+/// Content-Length reaches the client whole, framed by the coding and without the length (RFC
+/// 9112 section 6.3); a 101 the client did not ask for is a 502.
+#[test]
+fn both_engines_frame_te_with_cl_by_the_coding_and_refuse_an_unasked_switch() {
+    let target = Scripted::start();
+    let proxy = proxy_to(target.addr);
+    for (engine, extra) in [("fast lane", ""), ("hyper", "content-length: 0\r\n")] {
+        let mut client = TcpStream::connect(proxy.inbound[0]).unwrap();
+        client.set_read_timeout(Some(PATIENCE)).unwrap();
+        let raw = format!("GET /both HTTP/1.1\r\nHost: app.test\r\n{extra}\r\n");
+        client.write_all(raw.as_bytes()).unwrap();
+        let response = read_response(&mut client).unwrap();
+        assert_eq!(response.status, 200, "{engine}");
+        assert_eq!(response.body, b"hello", "{engine}: {:?}", response.headers);
+        assert_eq!(response.header("content-length"), None, "{engine}");
+
+        let mut client = TcpStream::connect(proxy.inbound[0]).unwrap();
+        client.set_read_timeout(Some(PATIENCE)).unwrap();
+        let raw = format!("GET /switch HTTP/1.1\r\nHost: app.test\r\n{extra}\r\n");
+        client.write_all(raw.as_bytes()).unwrap();
+        let response = read_response(&mut client).unwrap();
+        assert_eq!(
+            response.status, 502,
+            "{engine}: an unasked 101 went through"
+        );
+    }
+}

@@ -195,6 +195,22 @@ fn forward(
             }
             _ => false,
         };
+        if !upgraded && response.status() == StatusCode::SWITCHING_PROTOCOLS {
+            // A switch the client did not ask for (RFC 9110 section 15.2.2): forwarded, it
+            // would make the client take the connection for another protocol's.
+            let body = format!("bad gateway: {target} switched protocols unasked\n");
+            return Ok(error_response(
+                &ctx,
+                StatusCode::BAD_GATEWAY,
+                body,
+                in_flight,
+            ));
+        }
+        if !upgraded && response.headers().contains_key(TRANSFER_ENCODING) {
+            // Transfer-Encoding wins over Content-Length (RFC 9112 section 6.3): the body was
+            // read as the coding frames it, and a length beside it would cut it.
+            response.headers_mut().remove(CONTENT_LENGTH);
+        }
         strip_hop_by_hop(response.headers_mut(), upgraded);
         // The client hears its own HTTP version, whatever the target spoke.
         *response.version_mut() = version;
