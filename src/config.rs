@@ -152,6 +152,12 @@ pub struct ProxyArgs {
     #[arg(long, value_name = "N")]
     pub http2_max_concurrent_streams: Option<String>,
 
+    /// Forward bodiless HTTP/1.1 requests with the fast lane (false: every HTTP/1 request
+    /// through hyper, the escape hatch) [env: LAMEDUCK_HTTP1_FAST_LANE=true|false]
+    /// [default: true]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub http1_fast_lane: Option<String>,
+
     /// How long the target may take to start its response before the client gets 504; 0s
     /// for no limit [env: LAMEDUCK_HTTP_RESPONSE_TIMEOUT] [default: 0s]
     #[arg(long, value_name = "DURATION")]
@@ -397,6 +403,8 @@ pub struct HttpConfig {
     pub h2_idle_timeout: Option<Duration>,
     /// A streamed body that moves no byte for this long fails; `None`: never.
     pub body_timeout: Option<Duration>,
+    /// Bodiless HTTP/1.1 requests go through the fast lane (docs/http.md); off, through hyper.
+    pub fast_lane: bool,
 }
 
 /// Bounds of opaque TCP streams and tunnels.
@@ -425,6 +433,7 @@ impl Default for HttpConfig {
             header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
             max_header_size: DEFAULT_MAX_HEADER_SIZE,
             h2_max_concurrent_streams: DEFAULT_H2_MAX_CONCURRENT_STREAMS,
+            fast_lane: true,
             response_timeout: None,
             h2_idle_timeout: Some(DEFAULT_H2_IDLE_TIMEOUT),
             body_timeout: Some(DEFAULT_BODY_TIMEOUT),
@@ -545,6 +554,11 @@ const H2_MAX_CONCURRENT_STREAMS: Setting = Setting {
     flag: "--http2-max-concurrent-streams",
     var: "LAMEDUCK_HTTP2_MAX_CONCURRENT_STREAMS",
     example: "100",
+};
+const FAST_LANE: Setting = Setting {
+    flag: "--http1-fast-lane",
+    var: "LAMEDUCK_HTTP1_FAST_LANE",
+    example: "true or false",
 };
 const RESPONSE_TIMEOUT: Setting = Setting {
     flag: "--http-response-timeout",
@@ -811,6 +825,9 @@ impl Config {
             )?,
             ..HttpConfig::default()
         };
+        if let Some(raw) = lookup(&FAST_LANE, args.http1_fast_lane)? {
+            http.fast_lane = parse_bool(&raw, FAST_LANE.example)?;
+        }
         if let Some(raw) = lookup(&MAX_HEADER_SIZE, args.http_max_header_size)? {
             http.max_header_size = parse_size(&raw, MAX_HEADER_SIZE.example)?;
         }

@@ -94,6 +94,8 @@ pub struct Metrics {
     lame_duck_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Lame ducks ended, by why.
     lame_ducks: Family<[(&'static str, &'static str); 1], Counter>,
+    /// HTTP/1 requests the fast lane forwarded (the rest of `requests` went through hyper).
+    fast_lane_requests: Counter,
 }
 
 impl Metrics {
@@ -193,8 +195,15 @@ impl Metrics {
         for why in ["quiet", "max", "period"] {
             let _ = lame_ducks.get_or_create(&[("ended", why)]);
         }
+        let fast_lane_requests = Counter::default();
+        registry.register(
+            "http1_fast_lane_requests",
+            "HTTP/1 requests forwarded by the fast lane; the others went through hyper (--http1-fast-lane)",
+            fast_lane_requests.clone(),
+        );
         registry.register_collector(Box::new(StateCollector { conns, drain }));
         Metrics {
+            fast_lane_requests,
             lame_duck_seconds,
             lame_ducks,
             registry,
@@ -270,6 +279,11 @@ impl Metrics {
     /// The duration histogram of `direction`, for one request to observe when it ends.
     pub fn request_duration(&self, direction: Direction) -> Histogram {
         self.request_durations[direction as usize].clone()
+    }
+
+    /// The fast lane took an HTTP/1 request.
+    pub fn fast_lane_request(&self) {
+        self.fast_lane_requests.inc();
     }
 
     /// A lame duck ended after `lasted`, for the reason `why` (`quiet`, `max`, `period`).

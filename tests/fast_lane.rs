@@ -335,3 +335,41 @@ fn both_engines_frame_te_with_cl_by_the_coding_and_refuse_an_unasked_switch() {
         );
     }
 }
+
+/// The escape hatch: `--http1-fast-lane=false` sends every HTTP/1 request through hyper, and
+/// `lameduck_http1_fast_lane_requests_total` tells an operator which engine served what.
+#[test]
+fn the_fast_lane_can_be_turned_off_and_the_metric_tells_which_engine_served() {
+    let target = Scripted::start();
+    for (flag, through_lane) in [
+        ("--http1-fast-lane=true", 3.0),
+        ("--http1-fast-lane=false", 0.0),
+    ] {
+        let proxy = Proxy::start(&[
+            "--inbound",
+            &format!("127.0.0.1:0={}/http", target.addr),
+            flag,
+        ]);
+        let mut client = TcpStream::connect(proxy.inbound[0]).unwrap();
+        client.set_read_timeout(Some(PATIENCE)).unwrap();
+        for _ in 0..3 {
+            request(&mut client, "GET", "/length");
+            let response = read_response(&mut client).unwrap();
+            assert_eq!(
+                (response.status, &response.body[..]),
+                (200, &b"hello"[..]),
+                "{flag}"
+            );
+        }
+        assert_eq!(
+            proxy.metric("lameduck_http1_fast_lane_requests_total"),
+            through_lane,
+            "{flag}"
+        );
+        assert_eq!(
+            proxy.metric("lameduck_requests_total{direction=\"inbound\",status_class=\"2xx\"}"),
+            3.0,
+            "{flag}"
+        );
+    }
+}

@@ -456,6 +456,7 @@ impl<'a> FastLane<'a> {
         let ctx = self.ctx;
         ctx.request_started();
         let in_flight = InFlight::start(ctx);
+        ctx.proxy.metrics.fast_lane_request();
         let pool = &ctx.upstream.http1;
         let deadline = ctx
             .proxy

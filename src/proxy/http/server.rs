@@ -189,15 +189,20 @@ async fn http1_sessions(
     closing: bool,
 ) -> Option<TcpStream> {
     let mut unparsed = Bytes::new();
+    let lane = ctx.proxy.http.fast_lane;
     loop {
-        let (socket, bytes) =
-            match fast::serve(stream, unparsed, ctx, listeners_closed, closing).await {
+        let (socket, bytes) = match lane {
+            true => match fast::serve(stream, unparsed, ctx, listeners_closed, closing).await {
                 Lane::Done => return None,
                 Lane::Parked(socket) => return Some(socket),
                 Lane::Hyper(socket, bytes) => (socket, bytes),
-            };
+            },
+            // The lane turned off (`--http1-fast-lane=false`): hyper serves every request.
+            false => (stream, unparsed),
+        };
         match http1_session(socket, bytes, ctx, listeners_closed, closing).await {
             Session::Done => return None,
+            Session::Parked(socket, rest) if !lane && rest.is_empty() => return Some(socket),
             Session::Parked(socket, rest) => (stream, unparsed) = (socket, rest),
         }
     }
