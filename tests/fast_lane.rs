@@ -114,6 +114,11 @@ fn answer(path: &str) -> String {
         "/close-delimited" => ok("\r\nuntil the target closes"),
         "/two-lengths" => ok("content-length: 2\r\ncontent-length: 3\r\n\r\nok"),
         "/switch" => "HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\n".into(),
+        "/099" => format!("HTTP/1.1 099 Too Early\r\n{DATE}content-length: 0\r\n\r\n"),
+        "/204-length" => format!("HTTP/1.1 204 No Content\r\n{DATE}content-length: 5\r\n\r\n"),
+        "/304-bad-length" => {
+            format!("HTTP/1.1 304 Not Modified\r\n{DATE}content-length: nope\r\n\r\n")
+        }
         "/bad-chunk" => ok("transfer-encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n"),
         "/cut-length" => ok("content-length: 10\r\n\r\nhello"),
         _ => ok("content-length: 0\r\n\r\n"),
@@ -309,9 +314,10 @@ fn a_client_that_gives_up_cancels_its_request() {
 /// The same rules whichever engine forwards: a bodiless GET goes through the fast lane, the
 /// same GET with `Content-Length: 0` through hyper. A response with both Transfer-Encoding and
 /// Content-Length reaches the client whole, framed by the coding and without the length (RFC
-/// 9112 section 6.3); a 101 the client did not ask for is a 502.
+/// 9112 section 6.3); a 101 the client did not ask for, a status below 100 and a length that is
+/// no number (even on a 304) are 502s; a 204 goes out without a length (RFC 9110 8.6).
 #[test]
-fn both_engines_frame_te_with_cl_by_the_coding_and_refuse_an_unasked_switch() {
+fn both_engines_frame_responses_alike_and_refuse_what_is_no_response() {
     let target = Scripted::start();
     let proxy = proxy_to(target.addr);
     for (engine, extra) in [("fast lane", ""), ("hyper", "content-length: 0\r\n")] {
@@ -332,6 +338,36 @@ fn both_engines_frame_te_with_cl_by_the_coding_and_refuse_an_unasked_switch() {
         assert_eq!(
             response.status, 502,
             "{engine}: an unasked 101 went through"
+        );
+
+        for path in ["/099", "/304-bad-length"] {
+            let mut client = TcpStream::connect(proxy.inbound[0]).unwrap();
+            client.set_read_timeout(Some(PATIENCE)).unwrap();
+            let raw = format!("GET {path} HTTP/1.1\r\nHost: app.test\r\n{extra}\r\n");
+            client.write_all(raw.as_bytes()).unwrap();
+            let response = read_response(&mut client).unwrap();
+            assert_eq!(response.status, 502, "{engine}: {path}");
+        }
+        let mut client = TcpStream::connect(proxy.inbound[0]).unwrap();
+        client.set_read_timeout(Some(PATIENCE)).unwrap();
+        let raw = format!("GET /list HTTP/1.1\r\nHost: app.test\r\n{extra}\r\n");
+        client.write_all(raw.as_bytes()).unwrap();
+        let response = read_response(&mut client).unwrap();
+        assert_eq!(response.body, b"list", "{engine}");
+        assert_eq!(
+            response.header("content-length"),
+            Some("4"),
+            "{engine}: one length"
+        );
+        let mut client = TcpStream::connect(proxy.inbound[0]).unwrap();
+        client.set_read_timeout(Some(PATIENCE)).unwrap();
+        let raw = format!("GET /204-length HTTP/1.1\r\nHost: app.test\r\n{extra}\r\n");
+        client.write_all(raw.as_bytes()).unwrap();
+        let head = read_head(&mut client);
+        assert!(head.starts_with("HTTP/1.1 204"), "{engine}: {head}");
+        assert!(
+            !head.to_ascii_lowercase().contains("content-length"),
+            "{engine}: a 204 with a length: {head}"
         );
     }
 }

@@ -3,7 +3,8 @@
 
 use hyper::body::{Body, Incoming};
 use hyper::header::{
-    CONNECTION, HOST, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING, UPGRADE,
+    CONNECTION, CONTENT_LENGTH, HOST, HeaderMap, HeaderName, HeaderValue, TE, TRANSFER_ENCODING,
+    UPGRADE,
 };
 use hyper::{Method, Request, Response, StatusCode, Uri};
 
@@ -32,6 +33,39 @@ pub(super) fn wants_upgrade(request: &Request<Incoming>) -> bool {
             .get_all(CONNECTION)
             .iter()
             .any(|value| tokens(value).any(|token| token.eq_ignore_ascii_case("upgrade")))
+}
+
+/// A response's `Content-Length` made one: every value (repeated headers, comma lists) the same
+/// decimal number, written once; `Err` when one is not a number or they differ (the fast lane's
+/// rule, and HAProxy's: a 502). Headers without a length are left as they are.
+pub(super) fn one_response_length(headers: &mut HeaderMap) -> Result<(), ()> {
+    let mut length: Option<u64> = None;
+    let mut items = 0;
+    for value in headers.get_all(CONTENT_LENGTH) {
+        let text = value.to_str().map_err(|_| ())?;
+        for item in text.split(',').map(str::trim) {
+            if item.is_empty() || !item.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(());
+            }
+            let item: u64 = item.parse().map_err(|_| ())?;
+            if length.is_some_and(|length| length != item) {
+                return Err(());
+            }
+            length = Some(item);
+            items += 1;
+        }
+    }
+    // The usual single plain value (digits, no leading zero) is left as it is.
+    let plain = headers.get(CONTENT_LENGTH).is_some_and(|value| {
+        let bytes = value.as_bytes();
+        bytes.iter().all(u8::is_ascii_digit) && (bytes.len() == 1 || bytes[0] != b'0')
+    });
+    if let Some(length) = length
+        && (items > 1 || !plain)
+    {
+        headers.insert(CONTENT_LENGTH, HeaderValue::from(length));
+    }
+    Ok(())
 }
 
 /// Request framing that RFC 9112 and RFC 9110 refuse and hyper lets through: more than one
@@ -267,6 +301,37 @@ pub(super) fn absolute_uri(request: &mut Request<Incoming>, target: &str) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_response_length_is_one_number_or_an_error() {
+        let lengths = |values: &[&str]| {
+            let mut headers = HeaderMap::new();
+            for value in values {
+                headers.append(CONTENT_LENGTH, HeaderValue::from_str(value).unwrap());
+            }
+            one_response_length(&mut headers).map(|()| {
+                let all: Vec<_> = headers.get_all(CONTENT_LENGTH).iter().cloned().collect();
+                all.iter()
+                    .map(|v| v.to_str().unwrap().to_string())
+                    .collect::<Vec<_>>()
+            })
+        };
+        assert_eq!(lengths(&["5"]), Ok(vec!["5".to_string()]));
+        assert_eq!(lengths(&["5, 5"]), Ok(vec!["5".to_string()]));
+        assert_eq!(lengths(&["5", "5"]), Ok(vec!["5".to_string()]));
+        assert_eq!(lengths(&["007"]), Ok(vec!["7".to_string()]));
+        assert_eq!(lengths(&[]), Ok(vec![]));
+        for bad in [
+            &["nope"][..],
+            &["5", "6"],
+            &["5, 6"],
+            &["-1"],
+            &["+5"],
+            &[""],
+        ] {
+            assert_eq!(lengths(bad), Err(()), "{bad:?}");
+        }
+    }
 
     #[test]
     fn the_named_bits_are_the_names_positions() {

@@ -33,7 +33,8 @@ use super::body::{BodyError, BodyStalled, Payload, RequestBodyGuard, Stall, reac
 use super::client::{Lease, SendError, Upstream};
 use super::context::{ConnCtx, HttpVersion};
 use super::headers::{
-    absolute_uri, check_framing, is_connect_success, origin_form, strip_hop_by_hop, wants_upgrade,
+    absolute_uri, check_framing, is_connect_success, one_response_length, origin_form,
+    strip_hop_by_hop, wants_upgrade,
 };
 use super::io::ServerIo;
 use crate::conns::{ConnProtocol, Connection};
@@ -210,6 +211,16 @@ fn forward(
             // Transfer-Encoding wins over Content-Length (RFC 9112 section 6.3): the body was
             // read as the coding frames it, and a length beside it would cut it.
             response.headers_mut().remove(CONTENT_LENGTH);
+        } else if !upgraded && one_response_length(response.headers_mut()).is_err() {
+            // A length that is no number, or two that differ, even where there is no body
+            // (a HEAD's, a 304's): the fast lane's rule, and HAProxy's.
+            let body = format!("bad gateway: {target} sent an invalid Content-Length\n");
+            return Ok(error_response(
+                &ctx,
+                StatusCode::BAD_GATEWAY,
+                body,
+                in_flight,
+            ));
         }
         strip_hop_by_hop(response.headers_mut(), upgraded);
         // The client hears its own HTTP version, whatever the target spoke.

@@ -150,6 +150,8 @@ pub(super) fn plan_response(
         return Parsed::Bad;
     };
     match code {
+        // No status code (RFC 9110 section 15: three digits, 1xx to 5xx).
+        0..=99 => return Parsed::Bad,
         // A switch of protocols nobody asked for.
         101 => return Parsed::Bad,
         100..=199 => return Parsed::Informational(head_len),
@@ -194,6 +196,10 @@ pub(super) fn plan_response(
         }
     }
     let framing = if request_is_head || code == 204 || code == 304 {
+        // No body, but a length that is not one is as bad here as anywhere.
+        if bad_length {
+            return Parsed::Bad;
+        }
         Framing::None
     } else if let Some(codings) = last_transfer_encoding {
         if version == 0 {
@@ -220,7 +226,10 @@ pub(super) fn plan_response(
     out.extend_from_slice(b"\r\n");
     for header in response.headers.iter() {
         match special(header.name) {
-            Special::Framing if framing == Framing::None && header.name.len() == 14 => {}
+            // A HEAD's or a 304's length tells the client about the body it did not get;
+            // a 204 has none to tell of (RFC 9110 section 8.6).
+            Special::Framing
+                if framing == Framing::None && header.name.len() == 14 && code != 204 => {}
             Special::Framing => continue,
             Special::Connection | Special::HopByHop | Special::Upgrade => continue,
             _ if named[..named_count]
