@@ -762,10 +762,17 @@ mod tests {
                 false,
                 Some((Framing::Length(5), true)),
             ),
+            // A length that is no number is a 502, a HEAD's too (HAProxy's rule, and hyper's
+            // path's).
             (
                 "HTTP/1.1 200 OK\r\ncontent-length: nope\r\n\r\n",
                 true,
-                Some((Framing::None, true)),
+                None,
+            ),
+            (
+                "HTTP/1.1 099 Early\r\ncontent-length: 0\r\n\r\n",
+                false,
+                None,
             ),
             (
                 "HTTP/1.1 204 No Content\r\n\r\n",
