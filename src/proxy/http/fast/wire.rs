@@ -715,7 +715,7 @@ mod tests {
             )
         );
         type Case = (&'static str, bool, Option<(Framing, bool)>);
-        let cases: [Case; 14] = [
+        let cases: [Case; 15] = [
             (
                 "HTTP/1.1 200 OK\r\ncontent-length: 5, 5\r\n\r\n",
                 false,
