@@ -21,7 +21,6 @@ mod support;
 #[path = "pod/testapp.rs"]
 mod testapp;
 
-use std::collections::HashSet;
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::Command;
@@ -32,7 +31,7 @@ use std::time::{Duration, Instant};
 use kubelet::{Deletion, NetNs, Pod, http_status};
 use serde::Deserialize;
 use support::backend::Backend;
-use testapp::{Answer, images, status_of};
+use testapp::{Tally, images, status_of, upstream_ids};
 
 const INBOUND: u16 = 4143;
 /// The app's own init container, and the id of its one call to the upstream.
@@ -187,19 +186,6 @@ fn running_pod(
     })
 }
 
-#[derive(Debug, Default)]
-struct Tally {
-    ok: usize,
-    ok_after_deletion: usize,
-    new_connections_after_deletion: usize,
-    retried: usize,
-    failed: Vec<String>,
-    /// Ids of the requests whose client got a response.
-    answered: HashSet<u64>,
-    /// Ids of the retried requests (closed before any byte of a response).
-    retried_ids: HashSet<u64>,
-}
-
 /// Clients inside the pod's network namespace, like the peers of a real pod.
 struct Load {
     stop: Arc<AtomicBool>,
@@ -294,40 +280,12 @@ fn client(
         let (stream, reused) = connection.as_mut().unwrap();
         let id = ids.fetch_add(1, Ordering::SeqCst);
         let answer = testapp::exchange(stream, id, keep_alive, *reused);
-        let mut tally = tally.lock().unwrap();
-        match answer {
-            Answer::Ok { closing } => {
-                tally.ok += 1;
-                tally.answered.insert(id);
-                if deleted.is_some() {
-                    tally.ok_after_deletion += 1;
-                }
-                if closing {
-                    connection = None;
-                } else {
-                    *reused = true;
-                }
-            }
-            Answer::Retry => {
-                tally.retried += 1;
-                tally.retried_ids.insert(id);
-                connection = None;
-            }
-            Answer::Failed(why) => {
-                tally.failed.push(why);
-                connection = None;
-            }
+        let serves_on = tally.lock().unwrap().record(id, answer, deleted.is_some());
+        match serves_on {
+            true => *reused = true,
+            false => connection = None,
         }
     }
-}
-
-/// The ids of the requests the upstream saw, from its record (`/upstream?id=N`).
-fn upstream_ids(upstream: &Backend) -> HashSet<u64> {
-    upstream
-        .seen()
-        .iter()
-        .filter_map(|seen| seen.uri.split("id=").nth(1)?.parse().ok())
-        .collect()
 }
 
 /// Runs the load across a deletion, and checks what docs/pod-lifecycle.md promises.

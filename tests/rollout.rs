@@ -28,7 +28,7 @@ mod support;
 #[path = "pod/testapp.rs"]
 mod testapp;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::process::{Command, Stdio};
@@ -41,7 +41,7 @@ use kubelet::{Image, NetNs, Pod};
 use serde::Deserialize;
 use support::BIN;
 use support::backend::Backend;
-use testapp::{Answer, status_of};
+use testapp::{Answer, Tally, status_of, upstream_ids};
 
 const REPLICAS: usize = 3;
 const APP_PORT: u16 = 8080;
@@ -94,18 +94,6 @@ struct Profile {
     meshed: bool,
     /// Annotations of the pod template (`{a: b, …}` flow style), besides none.
     annotations: &'static str,
-}
-
-/// What one rollout came to.
-#[derive(Debug, Default)]
-struct Tally {
-    ok: usize,
-    /// Of those, answered to the HTTP/2 clients.
-    ok_h2: usize,
-    retried: usize,
-    failed: Vec<String>,
-    answered: HashSet<u64>,
-    retried_ids: HashSet<u64>,
 }
 
 /// The node, the clients' namespace and the Service of one profile.
@@ -389,26 +377,9 @@ fn client(
         let (stream, reused) = connection.as_mut().unwrap();
         let id = ids.fetch_add(1, Ordering::SeqCst);
         let answer = testapp::exchange(stream, id, keep_alive, *reused);
-        let mut tally = tally.lock().unwrap();
-        match answer {
-            Answer::Ok { closing } => {
-                tally.ok += 1;
-                tally.answered.insert(id);
-                if closing {
-                    connection = None;
-                } else {
-                    *reused = true;
-                }
-            }
-            Answer::Retry => {
-                tally.retried += 1;
-                tally.retried_ids.insert(id);
-                connection = None;
-            }
-            Answer::Failed(why) => {
-                tally.failed.push(why);
-                connection = None;
-            }
+        match tally.lock().unwrap().record(id, answer, false) {
+            true => *reused = true,
+            false => connection = None,
         }
     }
 }
@@ -468,19 +439,15 @@ fn h2_client(service: SocketAddr, stop: &AtomicBool, tally: &Mutex<Tally>, ids: 
                 }
                 Err(error) => Err(error),
             };
+            let answer = match response {
+                Ok(200) => Answer::Ok { closing: false },
+                Ok(status) => Answer::Failed(format!("h2 id {id}: {status}")),
+                Err(_) => Answer::Retry,
+            };
             let mut tally = tally.lock().unwrap();
-            match response {
-                Ok(200) => {
-                    tally.ok += 1;
-                    tally.ok_h2 += 1;
-                    tally.answered.insert(id);
-                }
-                Ok(status) => tally.failed.push(format!("h2 id {id}: {status}")),
-                Err(_) => {
-                    tally.retried += 1;
-                    tally.retried_ids.insert(id);
-                    sender = None;
-                }
+            tally.ok_h2 += usize::from(matches!(answer, Answer::Ok { .. }));
+            if !tally.record(id, answer, false) {
+                sender = None;
             }
         }
     });
@@ -601,12 +568,7 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<(Tally, Vec<u64>, Durat
     drop(new_pods);
     let mut tally = Arc::try_unwrap(tally).unwrap().into_inner().unwrap();
     // A retried request must be one the app never saw.
-    let seen: HashSet<u64> = cluster
-        .upstream
-        .seen()
-        .iter()
-        .filter_map(|seen| seen.uri.split("id=").nth(1)?.parse().ok())
-        .collect();
+    let seen = upstream_ids(&cluster.upstream);
     let lost: Vec<u64> = tally
         .retried_ids
         .iter()

@@ -1,8 +1,11 @@
 //! What the pod tests run in their pods and how their clients talk to them: the images (the
 //! lameduck binary, the test app `app.py`), and one HTTP/1.1 exchange judged as a client of a
-//! real service would judge it.
+//! real service would judge it. Shared by tests/pod.rs and tests/rollout.rs, each of which uses
+//! part of it.
 
-use std::collections::HashMap;
+#![allow(dead_code)]
+
+use std::collections::{HashMap, HashSet};
 use std::io::{ErrorKind, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
@@ -10,7 +13,7 @@ use std::time::Duration;
 
 use crate::kubelet::Image;
 use crate::support::BIN;
-use crate::support::backend::read_response;
+use crate::support::backend::{Backend, read_response};
 
 /// The images: `lameduck:<version>` and `lameduck-init:<version>` (the binary), and
 /// `testapp:graceful`, `testapp:immediate` (app.py) and `testapp:wait` (an init container that
@@ -113,4 +116,56 @@ pub fn exchange(stream: &mut TcpStream, id: u64, keep_alive: bool, reused: bool)
         }
         Err(error) => Answer::Failed(format!("id {id}: {error}")),
     }
+}
+
+/// What a load's clients saw.
+#[derive(Debug, Default)]
+pub struct Tally {
+    pub ok: usize,
+    /// Of those, answered after the pod's deletion started.
+    pub ok_after_deletion: usize,
+    /// Connections opened after the pod's deletion started.
+    pub new_connections_after_deletion: usize,
+    /// Of the answered, answered to HTTP/2 clients.
+    pub ok_h2: usize,
+    pub retried: usize,
+    pub failed: Vec<String>,
+    /// Ids of the requests whose client got a response.
+    pub answered: HashSet<u64>,
+    /// Ids of the retried requests (their connection ended before any byte of a response).
+    pub retried_ids: HashSet<u64>,
+}
+
+impl Tally {
+    /// Counts how request `id` went; true when its connection serves on.
+    pub fn record(&mut self, id: u64, answer: Answer, after_deletion: bool) -> bool {
+        match answer {
+            Answer::Ok { closing } => {
+                self.ok += 1;
+                self.answered.insert(id);
+                if after_deletion {
+                    self.ok_after_deletion += 1;
+                }
+                !closing
+            }
+            Answer::Retry => {
+                self.retried += 1;
+                self.retried_ids.insert(id);
+                false
+            }
+            Answer::Failed(why) => {
+                self.failed.push(why);
+                false
+            }
+        }
+    }
+}
+
+/// The ids of the requests the upstream saw, from its record (`/upstream?id=N`).
+pub fn upstream_ids(upstream: &Backend) -> HashSet<u64> {
+    upstream
+        .seen()
+        .iter()
+        .filter_map(|seen| seen.uri.split("id=").nth(1)?.parse().ok())
+        .collect()
 }
