@@ -17,7 +17,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tracing::{info, warn};
 
 use crate::admin::{self, Admin};
-use crate::config::{Config, Direction, OutboundShutdown, Route};
+use crate::config::{Config, Direction, LameDuck as LameDuckPolicy, OutboundShutdown, Route};
 use crate::conns::Connections;
 use crate::drain::{Drain, Phase, ShutdownReason, signal_name};
 use crate::lame_duck::LameDuck;
@@ -223,7 +223,8 @@ impl Bound {
                 .collect(),
             own_ports: Arc::default(),
             refusal_log: Mutex::new(Throttle::new(Duration::from_secs(1))),
-            lame_duck_ignore_sources: config.lame_duck_ignore_sources.clone(),
+            lame_duck_ignore_sources: matches!(config.lame_duck, LameDuckPolicy::Adaptive { .. })
+                .then(|| config.lame_duck_ignore_sources.clone()),
         });
         let mut inbound_routes = Vec::new();
         for Listener {

@@ -142,16 +142,18 @@ pub struct ProxyContext {
     pub own_ports: Arc<OwnPorts>,
     /// At most one log line a second about refused `orig-dst` connections.
     pub refusal_log: Mutex<Throttle>,
-    /// Peers whose new connections do not hold an adaptive lame duck open (the kubelet's
-    /// probes come from the node's address).
-    pub lame_duck_ignore_sources: Vec<Cidr>,
+    /// For an adaptive lame duck, the peers whose new connections do not hold it open (the
+    /// kubelet's probes come from the node's address); `None` when the lame duck is fixed and
+    /// arrivals are not recorded at all.
+    pub lame_duck_ignore_sources: Option<Vec<Cidr>>,
 }
 
 impl ProxyContext {
-    /// Whether a new connection from `peer` says nothing of whether peers still send here.
-    pub fn ignored_by_lame_duck(&self, peer: IpAddr) -> bool {
+    /// Whether a new connection from `peer` tells an adaptive lame duck that peers still send
+    /// here.
+    pub fn counts_for_lame_duck(&self, peer: IpAddr) -> bool {
         self.lame_duck_ignore_sources
-            .iter()
-            .any(|cidr| cidr.contains(peer))
+            .as_ref()
+            .is_some_and(|ignored| !ignored.iter().any(|cidr| cidr.contains(peer)))
     }
 }

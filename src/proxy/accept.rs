@@ -58,7 +58,7 @@ pub async fn accept_loop(
         match accepted {
             Ok((stream, peer)) => {
                 errors.succeeded();
-                if !proxy.ignored_by_lame_duck(peer.ip()) {
+                if proxy.counts_for_lame_duck(peer.ip()) {
                     side.arrived(peer.ip());
                 }
                 spawn_connection(stream, peer, &proxy_route, &proxy, &side, Some(permit));
