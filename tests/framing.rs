@@ -55,6 +55,11 @@ fn requests_framed_against_the_rfcs_are_refused_and_never_reach_the_target() {
             "a CONNECT target without a port",
         ),
         (
+            "CONNECT a.test:443 HTTP/1.1\r\nHost: b.test:443\r\n\r\n",
+            400,
+            "a Host that names another than the CONNECT target (HAProxy's 400)",
+        ),
+        (
             "CONNECT user@a.test:443 HTTP/1.1\r\nHost: a.test:443\r\n\r\n",
             400,
             "a CONNECT target with user information",
@@ -472,4 +477,10 @@ fn every_smuggling_vector_haproxy_refuses_is_refused_too() {
         }
     }
     eprintln!("{table}");
+}
+
+/// Every test above, again with the fast lane off: both HTTP/1 engines keep this file's promises.
+#[test]
+fn the_same_through_hyper_alone() {
+    support::run_again_through_hyper("the_same_through_hyper_alone");
 }

@@ -1084,3 +1084,9 @@ fn idle_keepalive_connections_hold_no_http_buffers() {
         "{per_connection:.1} KiB per idle keep-alive connection"
     );
 }
+
+/// Every test above, again with the fast lane off: both HTTP/1 engines keep this file's promises.
+#[test]
+fn the_same_through_hyper_alone() {
+    support::run_again_through_hyper("the_same_through_hyper_alone");
+}

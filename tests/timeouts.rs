@@ -379,3 +379,9 @@ fn bodies_that_stop_moving_fail_at_the_body_timeout() {
         assert_eq!(counted, 1.0, "{body}");
     }
 }
+
+/// Every test above, again with the fast lane off: both HTTP/1 engines keep this file's promises.
+#[test]
+fn the_same_through_hyper_alone() {
+    support::run_again_through_hyper("the_same_through_hyper_alone");
+}

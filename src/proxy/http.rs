@@ -10,10 +10,11 @@
 mod body;
 mod client;
 mod context;
-mod fast;
+mod h1;
 mod header_block;
 mod headers;
 mod io;
+mod policy;
 mod server;
 mod service;
 

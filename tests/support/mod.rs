@@ -174,6 +174,11 @@ impl Proxy {
     /// Like [`Proxy::start`], for a prepared command (extra environment, rlimits, a wrapper).
     pub fn start_command(cmd: &mut Command, args: &[&str]) -> Proxy {
         cmd.args(args).arg("--log-format=json");
+        if std::env::var_os(THROUGH_HYPER).is_some()
+            && !args.iter().any(|arg| arg.starts_with("--http1-fast-lane"))
+        {
+            cmd.arg("--http1-fast-lane=false");
+        }
         if !args.iter().any(|arg| arg.starts_with("--admin")) {
             cmd.arg("--admin=127.0.0.1:0");
         }
@@ -642,4 +647,40 @@ pub fn inject(input: &str, args: &[&str]) -> (i32, String, String) {
         String::from_utf8(output.stdout).unwrap(),
         String::from_utf8(output.stderr).unwrap(),
     )
+}
+
+/// Set in a test binary run again by [`run_again_through_hyper`]: every proxy it starts has its
+/// HTTP/1 fast lane off (unless the test sets `--http1-fast-lane` itself).
+const THROUGH_HYPER: &str = "LAMEDUCK_TEST_THROUGH_HYPER";
+
+/// Runs this test binary's other tests again, every proxy with its HTTP/1 fast lane off, so that
+/// the file's promises are checked through both HTTP/1 engines (docs/http.md, "Two engines, one
+/// policy"). `this_test` is the calling test's name, left out of the second run.
+pub fn run_again_through_hyper(this_test: &str) {
+    if std::env::var_os(THROUGH_HYPER).is_some() {
+        return;
+    }
+    let binary = std::env::current_exe().expect("the test binary's path");
+    let output = Command::new(binary)
+        .env(THROUGH_HYPER, "1")
+        .args(["--skip", this_test, "--test-threads", "4"])
+        .output()
+        .expect("run the test binary again");
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    let stdout = text(&output.stdout);
+    let summary = stdout
+        .lines()
+        .filter(|line| line.starts_with("test result:"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    let _ = writeln!(std::io::stderr(), "through hyper: {summary}");
+    assert!(
+        output.status.success(),
+        "the tests failed with the fast lane off:\n{stdout}\n{}",
+        text(&output.stderr)
+    );
+    assert!(
+        summary.contains(" passed;") && !summary.contains(" 0 passed;"),
+        "the second run ran no test: {summary}"
+    );
 }

@@ -164,7 +164,8 @@ pub(super) fn reached_end<B: Body, E>(
 ) -> bool {
     match poll {
         Poll::Ready(None) => true,
-        Poll::Ready(Some(Ok(_))) => body.is_end_stream(),
+        // Trailers are a body's last frame; hyper's server may not ask for more after them.
+        Poll::Ready(Some(Ok(frame))) => frame.is_trailers() || body.is_end_stream(),
         _ => false,
     }
 }

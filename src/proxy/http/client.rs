@@ -115,6 +115,9 @@ pub enum SendError {
     Connect(io::Error),
     /// The connection failed before the response's head arrived.
     Http(hyper::Error),
+    /// The same, on an HTTP/1 connection dialled for this request: the target's answer, never
+    /// the keep-alive race (the policy replays only that).
+    Fresh(hyper::Error),
 }
 
 /// Idle HTTP/1.1 keep-alive connections to a route's target, the most recently used on top.
@@ -129,7 +132,7 @@ pub enum SendError {
 pub struct Http1Pool {
     connector: Connector,
     idle: Mutex<Vec<Idle>>,
-    /// Idle connections of the fast lane (`fast.rs`), which speaks HTTP/1.1 on them itself:
+    /// Idle connections of the fast lane (`h1/lane.rs`), which speaks HTTP/1.1 on them itself:
     /// kept apart from hyper's, swept alike.
     plain: Mutex<Vec<PlainIdle>>,
     /// Set once the sweeping task runs (from the first connection on).
@@ -195,7 +198,7 @@ impl Http1Pool {
                 if let Err(error) = sender.ready().await {
                     match reused {
                         true => continue,
-                        false => return Err(SendError::Http(error)),
+                        false => return Err(SendError::Fresh(error)),
                     }
                 }
                 match sender.try_send_request(request).await {
@@ -209,7 +212,8 @@ impl Http1Pool {
                     }
                     Err(mut error) => match error.take_message() {
                         Some(unsent) if reused => request = unsent,
-                        _ => return Err(SendError::Http(error.into_error())),
+                        _ if reused => return Err(SendError::Http(error.into_error())),
+                        _ => return Err(SendError::Fresh(error.into_error())),
                     },
                 }
             }
@@ -466,7 +470,9 @@ impl Http2Conn {
         self.dials.fetch_add(1, Ordering::Release);
         *failed = dialled.as_ref().err().map(|error| match error {
             SendError::Connect(error) => (error.kind(), error.to_string()),
-            SendError::Http(error) => (io::ErrorKind::Other, error.to_string()),
+            SendError::Http(error) | SendError::Fresh(error) => {
+                (io::ErrorKind::Other, error.to_string())
+            }
         });
         let sender = dialled?;
         *self.current() = Some(SharedConn {

@@ -1,10 +1,12 @@
 //! The per-connection context of HTTP: what the proxy service of one connection needs, and
 //! what its serving loop and its socket wrapper tell each other (requests started, bodies
-//! open, whether the connection may park).
+//! open, whether the connection may park, interim responses on their way).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::Waker;
 
+use futures_util::task::AtomicWaker;
 use tokio::sync::Notify;
 
 use super::body::BodyWatcher;
@@ -12,6 +14,7 @@ use super::client::Upstream;
 use crate::conns::{Connection, Registration};
 use crate::drain::{ConnTokens, Watch};
 use crate::proxy::ProxyContext;
+use crate::sync::lock;
 
 /// Which HTTP a connection speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +45,45 @@ pub struct ConnCtx {
     /// Set for good once hyper may read on its own between requests (a request body left
     /// unread, an upgrade): such a connection is never parked.
     park_off: AtomicBool,
+    /// HTTP/1 interim responses from the target, for hyper's side to write.
+    pub(super) interim: Interim,
+}
+
+/// Interim (`1xx`) response heads on their way to an HTTP/1 client that hyper serves: hyper's
+/// server cannot write one, so the target's (heard by hyper's client, on the target
+/// connection's task) are put here, the client connection's task is woken, and its socket
+/// ([`ServerIo`](super::io::ServerIo)) writes them between hyper's writes, when hyper has
+/// nothing of its own buffered (before the final response's head).
+#[derive(Default)]
+pub(super) struct Interim {
+    pending: Mutex<Vec<u8>>,
+    any: AtomicBool,
+    /// The client connection's task, registered by the request's service future.
+    task: AtomicWaker,
+}
+
+impl Interim {
+    /// Heads to write, from the target connection's task.
+    pub(super) fn push(&self, head: &[u8]) {
+        lock(&self.pending).extend_from_slice(head);
+        self.any.store(true, Ordering::Release);
+        self.task.wake();
+    }
+
+    /// The client connection's task is the one to wake.
+    pub(super) fn register(&self, waker: &Waker) {
+        self.task.register(waker);
+    }
+
+    /// What is there to write, if anything: one atomic load when nothing is.
+    pub(super) fn take(&self) -> Option<Vec<u8>> {
+        if !self.any.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut pending = lock(&self.pending);
+        self.any.store(false, Ordering::Release);
+        Some(std::mem::take(&mut *pending))
+    }
 }
 
 impl ConnCtx {
@@ -64,6 +106,7 @@ impl ConnCtx {
             requests_started: AtomicU64::new(0),
             bodies_open: AtomicU32::new(0),
             park_off: AtomicBool::new(false),
+            interim: Interim::default(),
         }
     }
 
@@ -96,6 +139,15 @@ impl ConnCtx {
             && self.conn().requests_in_flight.load(Ordering::Acquire) == 0
             && self.bodies_open.load(Ordering::Acquire) == 0
             && !self.park_off.load(Ordering::Acquire)
+    }
+
+    /// Whether a client's FIN is held from hyper: an HTTP/1 client that shut its sending side
+    /// after sending a whole request still gets the response (the policy's rule, and the
+    /// lane's; hyper's own `half_close` would stop it from noticing a client's reset too).
+    pub(super) fn holds_half_close(&self) -> bool {
+        self.version == HttpVersion::Http1
+            && self.conn().requests_in_flight.load(Ordering::Acquire) > 0
+            && self.bodies_open.load(Ordering::Acquire) == 0
     }
 
     /// Whether responses must ask the client to go away (HTTP/1 `connection: close`).

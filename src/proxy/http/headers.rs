@@ -1,5 +1,6 @@
-//! Headers and framing: what RFC 9110 and RFC 9112 refuse that hyper lets through, hop-by-hop
-//! headers, and the request target each HTTP version is sent with.
+//! Headers and framing on hyper's path, by the rules of [`policy`]: what RFC 9110 and RFC 9112
+//! refuse that hyper lets through (requests and responses), hop-by-hop headers, and the request
+//! target each HTTP version is sent with.
 
 use hyper::body::{Body, Incoming};
 use hyper::header::{
@@ -9,6 +10,7 @@ use hyper::header::{
 use hyper::{Method, Request, Response, StatusCode, Uri};
 
 use super::context::HttpVersion;
+use super::policy::{self, BadResponse, Synthetic};
 
 /// Headers that concern one hop only (RFC 9110 section 7.6.1), besides those `Connection` names.
 static HOP_BY_HOP: [HeaderName; 7] = [
@@ -35,25 +37,46 @@ pub(super) fn wants_upgrade(request: &Request<Incoming>) -> bool {
             .any(|value| tokens(value).any(|token| token.eq_ignore_ascii_case("upgrade")))
 }
 
+/// What the policy refuses in a target's response that hyper's client lets through: an unasked
+/// `101`, a transfer coding other than one `chunked`, a bad `Content-Length`. A response framed
+/// by its coding loses its `Content-Length` (RFC 9112 section 6.3: the coding wins, and a length
+/// beside it would cut the body); a list of equal lengths becomes one.
+pub(super) fn check_response(
+    response: &mut Response<Incoming>,
+    request_is_head: bool,
+) -> Result<(), BadResponse> {
+    if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+        // Forwarded, it would make the client take the connection for another protocol's.
+        return Err(BadResponse::UnaskedSwitch);
+    }
+    let has_body = policy::has_body(request_is_head, response.status().as_u16());
+    let headers = response.headers_mut();
+    if has_body && headers.contains_key(TRANSFER_ENCODING) {
+        let values = headers.get_all(TRANSFER_ENCODING).iter();
+        policy::response_codings(values.map(HeaderValue::as_bytes))?;
+        headers.remove(CONTENT_LENGTH);
+        return Ok(());
+    }
+    one_response_length(headers).map_err(|()| BadResponse::Length)
+}
+
 /// A response's `Content-Length` made one: every value (repeated headers, comma lists) the same
-/// decimal number, written once; `Err` when one is not a number or they differ (the fast lane's
-/// rule, and HAProxy's: a 502). Headers without a length are left as they are.
-pub(super) fn one_response_length(headers: &mut HeaderMap) -> Result<(), ()> {
+/// decimal number, written once; `Err` when one is not a number or they differ. Headers
+/// without a length are left as they are.
+fn one_response_length(headers: &mut HeaderMap) -> Result<(), ()> {
     let mut length: Option<u64> = None;
     let mut items = 0;
     for value in headers.get_all(CONTENT_LENGTH) {
-        let text = value.to_str().map_err(|_| ())?;
-        for item in text.split(',').map(str::trim) {
-            if item.is_empty() || !item.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(());
-            }
-            let item: u64 = item.parse().map_err(|_| ())?;
-            if length.is_some_and(|length| length != item) {
-                return Err(());
-            }
-            length = Some(item);
-            items += 1;
+        let item = policy::content_length(value.as_bytes()).ok_or(())?;
+        if length.is_some_and(|length| length != item) {
+            return Err(());
         }
+        length = Some(item);
+        items += 1 + value
+            .as_bytes()
+            .iter()
+            .filter(|&&byte| byte == b',')
+            .count();
     }
     // The usual single plain value (digits, no leading zero) is left as it is.
     let plain = headers.get(CONTENT_LENGTH).is_some_and(|value| {
@@ -70,13 +93,14 @@ pub(super) fn one_response_length(headers: &mut HeaderMap) -> Result<(), ()> {
 
 /// Request framing that RFC 9112 and RFC 9110 refuse and hyper lets through: more than one
 /// `Host` (400), a transfer coding other than `chunked` (501) or `chunked` twice (400), and a
-/// CONNECT whose target is not `host:port` (400).
+/// CONNECT whose target is not `host:port` (400) or whose `Host` names another (400, as
+/// HAProxy answers).
 pub(super) fn check_framing(
     request: &Request<Incoming>,
     version: HttpVersion,
-) -> Result<(), (StatusCode, String)> {
+) -> Result<(), Synthetic> {
     let headers = request.headers();
-    let bad = |why: &str| Err((StatusCode::BAD_REQUEST, format!("bad request: {why}\n")));
+    let bad = |why: &str| Err(Synthetic::bad_request(why));
     // Both checks are skipped by what the usual request looks like, at no cost: no header
     // repeated (values and names counted alike), no body.
     if version == HttpVersion::Http1 && headers.len() != headers.keys_len() {
@@ -95,10 +119,7 @@ pub(super) fn check_framing(
                 if coding.eq_ignore_ascii_case("chunked") {
                     chunked += 1;
                 } else {
-                    return Err((
-                        StatusCode::NOT_IMPLEMENTED,
-                        format!("not implemented: transfer coding {coding:?}\n"),
-                    ));
+                    return Err(Synthetic::unknown_coding(coding));
                 }
             }
         }
@@ -113,6 +134,14 @@ pub(super) fn check_framing(
             .is_some_and(|authority| is_host_and_port(authority.as_str()))
     {
         return bad("CONNECT needs a host:port");
+    }
+    if request.method() == Method::CONNECT
+        && let (Some(authority), Some(host)) = (request.uri().authority(), headers.get(HOST))
+        && !host
+            .as_bytes()
+            .eq_ignore_ascii_case(authority.as_str().as_bytes())
+    {
+        return bad("Host differs from the CONNECT target");
     }
     Ok(())
 }
@@ -159,8 +188,9 @@ pub(super) fn tokens(value: &HeaderValue) -> impl Iterator<Item = &str> {
         .filter(|token| !token.is_empty())
 }
 
-/// Removes hop-by-hop headers: `Connection` and every header it names, and the fixed list.
-/// When `upgrading`, `Upgrade` and `Connection: upgrade` stay so the target sees the handshake.
+/// Removes hop-by-hop headers: `Connection` and every header it names (never `Host`), and the
+/// fixed list. When `upgrading`, `Upgrade` and `Connection: upgrade` stay so the target sees the
+/// handshake; a request's `TE: trailers` stays (`request`), a response's `TE` goes.
 /// [`HOP_BY_HOP`]'s names as bits of a mask of those present.
 const CONNECTION_BIT: u8 = 1 << 0;
 const TE_BIT: u8 = 1 << 3;
@@ -176,7 +206,7 @@ fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
     HOP_BY_HOP.iter().position(|hop| hop.as_str() == name)
 }
 
-pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
+pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool, request: bool) {
     // Which of the fixed names are there: one pass over the names, and most messages carry
     // none. (Headers named by `Connection` matter only when there is a `Connection`.)
     let mut present = 0u8;
@@ -196,10 +226,7 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
             .iter()
             .flat_map(tokens)
             .filter(|token| {
-                // `Connection: host` must not make the target see another Host than the
-                // client's (an app's Host-based "local only" check would be defeated).
-                !token.eq_ignore_ascii_case("close")
-                    && !token.eq_ignore_ascii_case("host")
+                policy::names_a_header(token.as_bytes())
                     && !HOP_BY_HOP
                         .iter()
                         .any(|hop| token.eq_ignore_ascii_case(hop.as_str()))
@@ -211,7 +238,8 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool) {
     let upgrade = (upgrading && present & UPGRADE_BIT != 0)
         .then(|| headers.get(UPGRADE).cloned())
         .flatten();
-    let trailers = present & TE_BIT != 0
+    let trailers = request
+        && present & TE_BIT != 0
         && headers
             .get_all(TE)
             .iter()

@@ -59,6 +59,15 @@ pub struct ServerIo {
     /// HTTP/1: once it may park, the session ends at once instead of after [`PARK_AFTER`]
     /// (the fast lane takes the connection back).
     hand_back: bool,
+    /// The client's FIN, held from hyper while its request is served (see
+    /// [`ConnCtx::holds_half_close`]).
+    half_closed: bool,
+    /// hyper has nothing of its own buffered: it flushed, and has not written since.
+    hyper_flushed: bool,
+    /// Interim response heads being written (see [`Interim`](super::context::Interim)), and how
+    /// much of them is out.
+    interim: Vec<u8>,
+    interim_written: usize,
 }
 
 impl ServerIo {
@@ -82,6 +91,10 @@ impl ServerIo {
             park_timer: None,
             header_block: None,
             hand_back: false,
+            half_closed: false,
+            hyper_flushed: true,
+            interim: Vec::new(),
+            interim_written: 0,
         };
         (io, came_home)
     }
@@ -113,6 +126,31 @@ impl ServerIo {
         self.stream
             .as_mut()
             .ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))
+    }
+
+    /// Writes the interim response heads the service has put aside, if any. Only called
+    /// while hyper has nothing buffered, so they go out between its responses.
+    fn poll_interim(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if let Some(heads) = self.ctx.interim.take() {
+            self.interim.extend_from_slice(&heads);
+        }
+        while self.interim_written < self.interim.len() {
+            let Some(stream) = self.stream.as_mut() else {
+                return Poll::Ready(Err(io::ErrorKind::NotConnected.into()));
+            };
+            match Pin::new(stream).poll_write(cx, &self.interim[self.interim_written..]) {
+                Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                Poll::Ready(Ok(written)) => {
+                    self.interim_written += written;
+                    self.count_written(written);
+                }
+                Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        self.interim.clear();
+        self.interim_written = 0;
+        Poll::Ready(Ok(()))
     }
 
     fn count_read(&self, read: usize) {
@@ -195,10 +233,23 @@ impl AsyncRead for ServerIo {
             self.parked = true;
             return Poll::Ready(Ok(()));
         }
+        if self.half_closed {
+            // hyper reads on while it waits for the service; the task is woken when the
+            // response is ready, and once it is out the EOF is hyper's.
+            if self.ctx.holds_half_close() {
+                return Poll::Pending;
+            }
+            self.eof = true;
+            return Poll::Ready(Ok(()));
+        }
         let before = buf.filled().len();
         match Pin::new(self.stream()?).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 let read = buf.filled().len() - before;
+                if read == 0 && self.ctx.holds_half_close() {
+                    self.half_closed = true;
+                    return Poll::Pending;
+                }
                 if read == 0 {
                     self.eof = true;
                 }
@@ -224,6 +275,11 @@ impl AsyncWrite for ServerIo {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        // The first write after a flush starts a response: interim heads go before it.
+        if self.hyper_flushed {
+            std::task::ready!(self.poll_interim(cx))?;
+            self.hyper_flushed = false;
+        }
         let poll = Pin::new(self.stream()?).poll_write(cx, buf);
         if let Poll::Ready(Ok(written)) = poll {
             self.count_written(written);
@@ -236,6 +292,10 @@ impl AsyncWrite for ServerIo {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        if self.hyper_flushed {
+            std::task::ready!(self.poll_interim(cx))?;
+            self.hyper_flushed = false;
+        }
         let poll = Pin::new(self.stream()?).poll_write_vectored(cx, bufs);
         if let Poll::Ready(Ok(written)) = poll {
             self.count_written(written);
@@ -248,6 +308,10 @@ impl AsyncWrite for ServerIo {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // hyper flushes once its buffer is empty: the moment for interim heads that came while
+        // it waited for the response.
+        self.hyper_flushed = true;
+        std::task::ready!(self.poll_interim(cx))?;
         Pin::new(self.stream()?).poll_flush(cx)
     }
 

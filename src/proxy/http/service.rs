@@ -33,10 +33,11 @@ use super::body::{BodyError, BodyStalled, Payload, RequestBodyGuard, Stall, reac
 use super::client::{Lease, SendError, Upstream};
 use super::context::{ConnCtx, HttpVersion};
 use super::headers::{
-    absolute_uri, check_framing, is_connect_success, one_response_length, origin_form,
-    strip_hop_by_hop, wants_upgrade,
+    absolute_uri, check_framing, check_response, is_connect_success, origin_form, strip_hop_by_hop,
+    wants_upgrade,
 };
 use super::io::ServerIo;
+use super::policy::{self, BadResponse, Synthetic};
 use crate::conns::{ConnProtocol, Connection};
 use crate::metrics::Timeout;
 use crate::proxy::tcp;
@@ -73,20 +74,15 @@ fn forward(
     mut body_watch: Option<RequestBodyGuard>,
 ) -> impl Future<Output = Result<Response<ProxyBody>, Infallible>> {
     async move {
-        if let Err((status, why)) = check_framing(&request, ctx.version) {
-            let mut response = error_response(&ctx, status, why, in_flight);
-            if ctx.version == HttpVersion::Http1 {
-                // The rest of what the client sent cannot be trusted to be framed right.
-                response
-                    .headers_mut()
-                    .insert(CONNECTION, HeaderValue::from_static("close"));
-            }
-            return Ok(response);
+        if let Err(refused) = check_framing(&request, ctx.version) {
+            // The rest of what the client sent cannot be trusted to be framed right.
+            return Ok(error_response(&ctx, refused.closing(), in_flight));
         }
         let version = request.version();
+        let is_head = request.method() == Method::HEAD;
         let upgrading = ctx.version == HttpVersion::Http1 && wants_upgrade(&request);
         let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut request));
-        strip_hop_by_hop(request.headers_mut(), upgrading);
+        strip_hop_by_hop(request.headers_mut(), upgrading, true);
         if ctx.closing() && !upgrading && request.version() != Version::HTTP_2 {
             // The pooled connection to the target closes once this request is done.
             request
@@ -99,12 +95,27 @@ fn forward(
             HttpVersion::Http2 => absolute_uri(&mut request, target),
         };
         if let Err(()) = uri {
-            return Ok(error_response(
-                &ctx,
-                StatusCode::BAD_REQUEST,
-                "bad request: invalid Host\n".into(),
-                in_flight,
-            ));
+            let refused = Synthetic::bad_request("invalid Host");
+            return Ok(error_response(&ctx, refused, in_flight));
+        }
+        // Interim responses reach an HTTP/1.1 client (hyper's server cannot write them: the
+        // socket does, see `context::Interim`).
+        if ctx.version == HttpVersion::Http1 && version == Version::HTTP_11 && !upgrading {
+            let interim_ctx = ctx.clone();
+            hyper::ext::on_informational(&mut request, move |interim| {
+                let code = interim.status().as_u16();
+                if policy::status(code) != Ok(policy::Status::Interim) {
+                    return;
+                }
+                let headers: Vec<(&str, &[u8])> = interim
+                    .headers()
+                    .iter()
+                    .map(|(name, value)| (name.as_str(), value.as_bytes()))
+                    .collect();
+                let mut head = Vec::new();
+                policy::write_interim(&mut head, code, headers.into_iter());
+                interim_ctx.interim.push(&head);
+            });
         }
 
         let limit = ctx.proxy.http.body_timeout;
@@ -119,7 +130,11 @@ fn forward(
         let upstream = &ctx.upstream;
         let mut sent = pin!(send(upstream, ctx.version, request.map(payload)));
         let mut limit = pin!(ctx.proxy.http.response_timeout.map(tokio::time::sleep));
+        let interim = &ctx.interim;
         let responded = std::future::poll_fn(|cx| {
+            if ctx.version == HttpVersion::Http1 {
+                interim.register(cx.waker());
+            }
             if let Poll::Ready(result) = sent.as_mut().poll(cx) {
                 return Poll::Ready(Some(result));
             }
@@ -129,53 +144,26 @@ fn forward(
             }
         });
         let Some(result) = responded.await else {
-            let body = format!("gateway timeout: {target} did not respond in time\n");
-            return Ok(error_response(
-                &ctx,
-                StatusCode::GATEWAY_TIMEOUT,
-                body,
-                in_flight,
-            ));
+            let answer = Synthetic::no_response_in_time(target);
+            return Ok(error_response(&ctx, answer, in_flight));
         };
         let (mut response, lease) = match result {
             Ok(sent) => sent,
             Err(failure) => {
-                let (status, body) = match failure.kind {
-                    FailureKind::ConnectTimeout => (
-                        StatusCode::GATEWAY_TIMEOUT,
-                        format!("gateway timeout: cannot connect to {target}\n"),
-                    ),
-                    FailureKind::Connect => (
-                        StatusCode::BAD_GATEWAY,
-                        format!("bad gateway: cannot connect to {target}\n"),
-                    ),
-                    FailureKind::ClosedBeforeResponse | FailureKind::Respond => (
-                        StatusCode::BAD_GATEWAY,
-                        format!("bad gateway: {target} failed to respond\n"),
-                    ),
-                    FailureKind::RequestBodyStalled => (
-                        StatusCode::REQUEST_TIMEOUT,
-                        "request timeout: the request body stopped arriving\n".to_string(),
-                    ),
-                    FailureKind::RequestBodyBroken => (
-                        StatusCode::BAD_REQUEST,
-                        "bad request: the request body is malformed or incomplete\n".to_string(),
-                    ),
+                let answer = match failure.kind {
+                    FailureKind::ConnectTimeout => Synthetic::cannot_connect(target, true),
+                    FailureKind::Connect => Synthetic::cannot_connect(target, false),
+                    FailureKind::ClosedBeforeResponse | FailureKind::Respond => {
+                        Synthetic::bad_response(target, BadResponse::Unreadable)
+                    }
+                    FailureKind::BadLength => Synthetic::bad_response(target, BadResponse::Length),
+                    FailureKind::RequestBodyStalled => Synthetic::request_body_stalled(),
+                    FailureKind::RequestBodyBroken => Synthetic::request_body_broken(),
                 };
                 let error = &failure.error;
+                let status = answer.status;
                 debug!(error = %error, source = ?error.source(), %status, "forwarding failed");
-                let mut response = error_response(&ctx, status, body, in_flight);
-                let body_failed = matches!(
-                    failure.kind,
-                    FailureKind::RequestBodyStalled | FailureKind::RequestBodyBroken
-                );
-                if body_failed && ctx.version == HttpVersion::Http1 {
-                    // The rest of the client's request cannot be read as a next one.
-                    response
-                        .headers_mut()
-                        .insert(CONNECTION, HeaderValue::from_static("close"));
-                }
-                return Ok(response);
+                return Ok(error_response(&ctx, answer, in_flight));
             }
         };
 
@@ -196,33 +184,12 @@ fn forward(
             }
             _ => false,
         };
-        if !upgraded && response.status() == StatusCode::SWITCHING_PROTOCOLS {
-            // A switch the client did not ask for (RFC 9110 section 15.2.2): forwarded, it
-            // would make the client take the connection for another protocol's.
-            let body = format!("bad gateway: {target} switched protocols unasked\n");
-            return Ok(error_response(
-                &ctx,
-                StatusCode::BAD_GATEWAY,
-                body,
-                in_flight,
-            ));
+        if !upgraded && let Err(bad) = check_response(&mut response, is_head) {
+            let answer = Synthetic::bad_response(target, bad);
+            return Ok(error_response(&ctx, answer, in_flight));
         }
-        if !upgraded && response.headers().contains_key(TRANSFER_ENCODING) {
-            // Transfer-Encoding wins over Content-Length (RFC 9112 section 6.3): the body was
-            // read as the coding frames it, and a length beside it would cut it.
-            response.headers_mut().remove(CONTENT_LENGTH);
-        } else if !upgraded && one_response_length(response.headers_mut()).is_err() {
-            // A length that is no number, or two that differ, even where there is no body
-            // (a HEAD's, a 304's): the fast lane's rule, and HAProxy's.
-            let body = format!("bad gateway: {target} sent an invalid Content-Length\n");
-            return Ok(error_response(
-                &ctx,
-                StatusCode::BAD_GATEWAY,
-                body,
-                in_flight,
-            ));
-        }
-        strip_hop_by_hop(response.headers_mut(), upgraded);
+        strip_hop_by_hop(response.headers_mut(), upgraded, false);
+        let target_http10 = response.version() == Version::HTTP_10;
         // The client hears its own HTTP version, whatever the target spoke.
         *response.version_mut() = version;
         if ctx.closing() && !upgraded && ctx.version == HttpVersion::Http1 {
@@ -233,12 +200,15 @@ fn forward(
         in_flight.record_status(&ctx, response.status());
         // An upgraded connection is the tunnel's now; it never goes back to the pool. A response
         // without a body is read to its end already (hyper will not poll it).
-        let lease = lease.filter(|_| !upgraded).map(|mut lease| {
-            if response.body().is_end_stream() {
-                lease.done();
-            }
-            lease
-        });
+        // Nor does one that spoke HTTP/1.0 (the policy's rule).
+        let lease = lease
+            .filter(|_| !upgraded && !target_http10)
+            .map(|mut lease| {
+                if response.body().is_end_stream() {
+                    lease.done();
+                }
+                lease
+            });
         Ok(response.map(|body| ProxyBody {
             payload: Payload::Stream(
                 body,
@@ -328,20 +298,8 @@ impl From<SendError> for Failure {
                 },
                 error: error.into(),
             },
-            SendError::Http(error) => Failure {
-                kind: if stalled(&error) {
-                    FailureKind::RequestBodyStalled
-                } else if error.is_user() {
-                    // The request body failed on the client's side: a malformed chunk, a
-                    // client gone mid-body.
-                    FailureKind::RequestBodyBroken
-                } else if error.is_incomplete_message() || error.is_canceled() {
-                    FailureKind::ClosedBeforeResponse
-                } else {
-                    FailureKind::Respond
-                },
-                error: error.into(),
-            },
+            SendError::Http(error) => Failure::of(error, true),
+            SendError::Fresh(error) => Failure::of(error, false),
         }
     }
 }
@@ -350,6 +308,31 @@ impl From<SendError> for Failure {
 struct Failure {
     kind: FailureKind,
     error: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl Failure {
+    /// A failure on a connection: `reused` for the pool's, where a close before the response is
+    /// the keep-alive race; on a connection dialled for the request it is the target's answer.
+    fn of(error: hyper::Error, reused: bool) -> Failure {
+        let kind = if stalled(&error) {
+            FailureKind::RequestBodyStalled
+        } else if error.is_user() {
+            // The request body failed on the client's side: a malformed chunk, a client gone
+            // mid-body.
+            FailureKind::RequestBodyBroken
+        } else if reused && (error.is_incomplete_message() || error.is_canceled()) {
+            FailureKind::ClosedBeforeResponse
+        } else if error.is_parse() && error.to_string().contains("content-length") {
+            // hyper's parser refuses a bad length where there is a body; the policy names it.
+            FailureKind::BadLength
+        } else {
+            FailureKind::Respond
+        };
+        Failure {
+            kind,
+            error: error.into(),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -362,6 +345,8 @@ enum FailureKind {
     ClosedBeforeResponse,
     /// The connection failed before the response's head arrived (502).
     Respond,
+    /// The response's `Content-Length` is no number, or two that differ (502).
+    BadLength,
     /// The client's request body stopped arriving before the response's head (408).
     RequestBodyStalled,
     /// The client's request body was malformed (a bad chunk) or cut short (400).
@@ -380,36 +365,31 @@ fn stalled(error: &hyper::Error) -> bool {
     false
 }
 
+/// Whether the request may be sent again if the keep-alive race strikes (the policy's rule;
+/// the race itself, a reused connection, is what `ClosedBeforeResponse` says).
 fn replayable(request: &Request<Payload>) -> bool {
-    let idempotent = matches!(
-        *request.method(),
-        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
-    );
-    idempotent && request.body().is_end_stream()
+    let has_body = !request.body().is_end_stream();
+    policy::may_replay(request.method().as_str().as_bytes(), has_body, true)
 }
 
-fn error_response(
-    ctx: &ConnCtx,
-    status: StatusCode,
-    body: String,
-    in_flight: InFlight,
-) -> Response<ProxyBody> {
+/// The proxy's own answer (see [`Synthetic`]), as hyper writes it.
+fn error_response(ctx: &ConnCtx, answer: Synthetic, in_flight: InFlight) -> Response<ProxyBody> {
     let mut response = Response::new(ProxyBody {
-        payload: Payload::Bytes(Some(Bytes::from(body))),
+        payload: Payload::Bytes(Some(Bytes::from(answer.body))),
         _in_flight: None,
         lease: None,
     });
-    *response.status_mut() = status;
+    *response.status_mut() = answer.status;
     response.headers_mut().insert(
         CONTENT_TYPE,
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
-    if ctx.closing() && ctx.version == HttpVersion::Http1 {
+    if (answer.close || ctx.closing()) && ctx.version == HttpVersion::Http1 {
         response
             .headers_mut()
             .insert(CONNECTION, HeaderValue::from_static("close"));
     }
-    in_flight.record_status(ctx, status);
+    in_flight.record_status(ctx, answer.status);
     response.body_mut()._in_flight = Some(in_flight);
     response
 }

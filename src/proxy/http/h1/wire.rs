@@ -1,11 +1,8 @@
 //! The fast lane's wire format: which request heads it takes (and the head the target gets),
-//! how a target's response is framed (and the head the client gets), chunked bodies decoded,
-//! and the proxy's own short responses. No I/O here.
+//! how a target's response is framed (and the head the client gets), and chunked bodies
+//! decoded, each as [`policy`] rules. No I/O here.
 
-use std::cell::RefCell;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-use hyper::StatusCode;
+use crate::proxy::http::policy::{self, BadResponse, Role, Status, content_length, role, tokens};
 
 /// Request headers the lane parses; a request with more goes to hyper (which takes 100).
 const MAX_REQUEST_HEADERS: usize = 64;
@@ -14,13 +11,16 @@ const MAX_RESPONSE_HEADERS: usize = 100;
 /// A chunked response's trailer section is read and dropped (the client did not ask for
 /// trailers with `TE`); this bounds it.
 const MAX_TRAILERS: usize = 16 * 1024;
-/// A chunk-size line's extensions are skipped; this bounds them.
-const MAX_CHUNK_EXTENSIONS: usize = 4096;
+/// Chunk extensions are skipped; this bounds them, over a whole body (hyper's bound).
+const MAX_CHUNK_EXTENSIONS: usize = 16 * 1024;
+/// hyper's bound on the number of trailer fields.
+const MAX_TRAILER_FIELDS: usize = 100;
 
 /// A request the lane takes.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct RequestPlan {
     pub(super) head_len: usize,
+    pub(super) method: &'static [u8],
     pub(super) is_head: bool,
     /// The client asked to close after this request.
     pub(super) close: bool,
@@ -49,30 +49,34 @@ pub(super) fn plan_request(buf: &[u8], close_target: bool, head: &mut Vec<u8>) -
     else {
         return Planned::Other;
     };
-    let is_head = match method {
-        "GET" | "DELETE" | "OPTIONS" => false,
-        "HEAD" => true,
+    let (method, is_head): (&'static [u8], bool) = match method {
+        "GET" => (b"GET", false),
+        "DELETE" => (b"DELETE", false),
+        "OPTIONS" => (b"OPTIONS", false),
+        "HEAD" => (b"HEAD", true),
         _ => return Planned::Other,
     };
     if !is_origin_form(path) {
         return Planned::Other;
     }
     head.clear();
-    head.extend_from_slice(method.as_bytes());
+    head.extend_from_slice(method);
     head.push(b' ');
     head.extend_from_slice(path.as_bytes());
     head.extend_from_slice(b" HTTP/1.1\r\n");
     let mut hosts = 0;
     let mut close = false;
     for header in request.headers.iter() {
-        match special(header.name) {
-            Special::Host => {
+        match role(header.name) {
+            Role::Host => {
                 hosts += 1;
                 if !is_plain_authority(header.value) {
                     return Planned::Other;
                 }
             }
-            Special::Connection => {
+            // Only the connection options: a request whose `Connection` names headers is
+            // hyper's (the policy is the same; the lane just does not carry it out).
+            Role::Connection => {
                 for token in tokens(header.value) {
                     if token.eq_ignore_ascii_case(b"close") {
                         close = true;
@@ -82,9 +86,13 @@ pub(super) fn plan_request(buf: &[u8], close_target: bool, head: &mut Vec<u8>) -
                 }
                 continue;
             }
-            Special::HopByHop => continue,
-            Special::Framing | Special::Upgrade | Special::Expect => return Planned::Other,
-            Special::Date | Special::None => {}
+            Role::HopByHop => continue,
+            Role::ContentLength
+            | Role::TransferEncoding
+            | Role::Te
+            | Role::Upgrade
+            | Role::Expect => return Planned::Other,
+            Role::Date | Role::Other => {}
         }
         push_header(head, header.name, header.value);
     }
@@ -97,6 +105,7 @@ pub(super) fn plan_request(buf: &[u8], close_target: bool, head: &mut Vec<u8>) -
     head.extend_from_slice(b"\r\n");
     Planned::Request(RequestPlan {
         head_len,
+        method,
         is_head,
         close,
     })
@@ -124,11 +133,12 @@ pub(super) struct ResponsePlan {
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Parsed {
     Response(ResponsePlan),
-    /// A 1xx head of this length, which hyper's client skips too.
-    Informational(usize),
+    /// An interim (`1xx`) head of this length; what the client gets of it (nothing for a
+    /// `100 Continue`) is in `out`.
+    Interim(usize),
     Partial,
-    /// Not a response the hyper path would take (a 502).
-    Bad,
+    /// Not a response the policy forwards (a 502).
+    Bad(BadResponse),
 }
 
 /// Reads the response head at the start of `buf` as hyper's client would, and writes the head
@@ -144,100 +154,100 @@ pub(super) fn plan_response(
     let head_len = match response.parse(buf) {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) => return Parsed::Partial,
-        Err(_) => return Parsed::Bad,
+        Err(_) => return Parsed::Bad(BadResponse::Unreadable),
     };
     let (Some(code), Some(version)) = (response.code, response.version) else {
-        return Parsed::Bad;
+        return Parsed::Bad(BadResponse::Unreadable);
     };
-    match code {
-        // No status code (RFC 9110 section 15: three digits, 1xx to 5xx).
-        0..=99 => return Parsed::Bad,
-        // A switch of protocols nobody asked for.
-        101 => return Parsed::Bad,
-        100..=199 => return Parsed::Informational(head_len),
-        _ => {}
+    match policy::status(code) {
+        Err(bad) => return Parsed::Bad(bad),
+        Ok(Status::Switch) => return Parsed::Bad(BadResponse::UnaskedSwitch),
+        Ok(Status::Continue) => return Parsed::Interim(head_len),
+        Ok(Status::Interim) => {
+            let headers = response
+                .headers
+                .iter()
+                .map(|header| (header.name, header.value));
+            policy::write_interim(out, code, headers);
+            return Parsed::Interim(head_len);
+        }
+        Ok(Status::Final) => {}
     }
     // What the framing and `Connection` headers say, in one pass.
-    let mut last_transfer_encoding: Option<&[u8]> = None;
+    let mut codings = false;
     let mut length: Option<u64> = None;
     let mut bad_length = false;
     let mut target_close = false;
-    let mut target_keep_alive = false;
-    let mut named: [&[u8]; 8] = [&[]; 8];
-    let mut named_count = 0;
-    let mut has_date = false;
+    // The headers `Connection` names: rarely any, so the list allocates only then.
+    let mut named: Vec<&[u8]> = Vec::new();
     for header in response.headers.iter() {
-        match special(header.name) {
-            Special::Framing if header.name.len() == 17 => {
-                last_transfer_encoding = Some(header.value);
-            }
-            Special::Framing => match content_length(header.value) {
+        match role(header.name) {
+            Role::TransferEncoding => codings = true,
+            Role::ContentLength => match content_length(header.value) {
                 Some(value) if length.is_none_or(|length| length == value) => {
                     length = Some(value);
                 }
                 _ => bad_length = true,
             },
-            Special::Connection => {
+            Role::Connection => {
                 for token in tokens(header.value) {
                     if token.eq_ignore_ascii_case(b"close") {
                         target_close = true;
-                    } else if token.eq_ignore_ascii_case(b"keep-alive") {
-                        target_keep_alive = true;
-                    } else if named_count < named.len() {
-                        named[named_count] = token;
-                        named_count += 1;
-                    } else {
-                        return Parsed::Bad;
+                    } else if policy::names_a_header(token) {
+                        named.push(token);
                     }
                 }
             }
-            Special::Date => has_date = true,
             _ => {}
         }
     }
-    let framing = if request_is_head || code == 204 || code == 304 {
+    let is_named = |name: &str| {
+        named
+            .iter()
+            .any(|token| token.eq_ignore_ascii_case(name.as_bytes()))
+    };
+    let framing = if !policy::has_body(request_is_head, code) {
         // No body, but a length that is not one is as bad here as anywhere.
         if bad_length {
-            return Parsed::Bad;
+            return Parsed::Bad(BadResponse::Length);
         }
         Framing::None
-    } else if let Some(codings) = last_transfer_encoding {
+    } else if codings {
         if version == 0 {
-            return Parsed::Bad;
+            return Parsed::Bad(BadResponse::Unreadable);
         }
-        match tokens(codings).next_back() {
-            Some(last) if last.eq_ignore_ascii_case(b"chunked") => Framing::Chunked,
-            _ => Framing::Close,
+        let values = response
+            .headers
+            .iter()
+            .filter(|header| role(header.name) == Role::TransferEncoding)
+            .map(|header| header.value);
+        if let Err(bad) = policy::response_codings(values) {
+            return Parsed::Bad(bad);
         }
+        Framing::Chunked
     } else if bad_length {
-        return Parsed::Bad;
+        return Parsed::Bad(BadResponse::Length);
     } else if let Some(length) = length {
         Framing::Length(length)
     } else {
         Framing::Close
     };
-    let reusable =
-        !target_close && (version == 1 || target_keep_alive) && framing != Framing::Close;
+    let reusable = policy::target_may_reuse(version == 1, target_close, framing == Framing::Close);
 
     out.extend_from_slice(b"HTTP/1.1 ");
     push_decimal(out, u64::from(code));
     out.push(b' ');
     out.extend_from_slice(response.reason.unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
+    let mut has_date = false;
     for header in response.headers.iter() {
-        match special(header.name) {
-            // A HEAD's or a 304's length tells the client about the body it did not get;
-            // a 204 has none to tell of (RFC 9110 section 8.6).
-            Special::Framing
-                if framing == Framing::None && header.name.len() == 14 && code != 204 => {}
-            Special::Framing => continue,
-            Special::Connection | Special::HopByHop | Special::Upgrade => continue,
-            _ if named[..named_count]
-                .iter()
-                .any(|name| name.eq_ignore_ascii_case(header.name.as_bytes())) =>
-            {
-                continue;
-            }
+        let role = role(header.name);
+        match role {
+            Role::ContentLength if framing == Framing::None && policy::keeps_length(code) => {}
+            Role::ContentLength => continue,
+            _ if policy::is_hop_by_hop(role) => continue,
+            _ if !named.is_empty() && is_named(header.name) => continue,
+            Role::Date => has_date = true,
             _ => {}
         }
         push_header(out, header.name, header.value);
@@ -256,8 +266,9 @@ pub(super) fn plan_response(
     if close {
         out.extend_from_slice(b"connection: close\r\n");
     }
+    // The target's, unless `Connection` named it; else the proxy's (hyper adds one too).
     if !has_date {
-        push_date(out);
+        policy::push_date(out);
     }
     out.extend_from_slice(b"\r\n");
     Parsed::Response(ResponsePlan {
@@ -268,73 +279,12 @@ pub(super) fn plan_response(
     })
 }
 
-/// Headers the lane treats apart from the others.
-#[derive(Debug, PartialEq, Eq)]
-enum Special {
-    None,
-    Host,
-    Date,
-    Connection,
-    /// `Content-Length` (14 bytes) or `Transfer-Encoding` (17).
-    Framing,
-    /// `Keep-Alive`, `Proxy-Connection`, `HTTP2-Settings`: dropped.
-    HopByHop,
-    /// `Upgrade`, `TE`: hop-by-hop, and a request with one is hyper's.
-    Upgrade,
-    /// A request with `Expect` is hyper's (it answers `100 Continue`).
-    Expect,
-}
-
-fn special(name: &str) -> Special {
-    let is = |known: &str| name.eq_ignore_ascii_case(known);
-    // Most names have a length none of these has.
-    match name.len() {
-        2 if is("te") => Special::Upgrade,
-        4 if is("host") => Special::Host,
-        4 if is("date") => Special::Date,
-        6 if is("expect") => Special::Expect,
-        7 if is("upgrade") => Special::Upgrade,
-        10 if is("connection") => Special::Connection,
-        10 if is("keep-alive") => Special::HopByHop,
-        14 if is("content-length") => Special::Framing,
-        14 if is("http2-settings") => Special::HopByHop,
-        16 if is("proxy-connection") => Special::HopByHop,
-        17 if is("transfer-encoding") => Special::Framing,
-        _ => Special::None,
-    }
-}
-
 /// `name: value`, the name lowercase as hyper writes it.
 fn push_header(out: &mut Vec<u8>, name: &str, value: &[u8]) {
     out.extend(name.bytes().map(|byte| byte.to_ascii_lowercase()));
     out.extend_from_slice(b": ");
     out.extend_from_slice(value);
     out.extend_from_slice(b"\r\n");
-}
-
-/// The comma-separated tokens of a header value, trimmed, empty ones left out.
-fn tokens(value: &[u8]) -> impl DoubleEndedIterator<Item = &[u8]> {
-    value
-        .split(|&byte| byte == b',')
-        .map(|token| token.trim_ascii())
-        .filter(|token| !token.is_empty())
-}
-
-/// A `Content-Length` value as hyper reads it: digits, or a list of equal ones.
-fn content_length(value: &[u8]) -> Option<u64> {
-    let mut length = None;
-    for part in value.split(|&byte| byte == b',') {
-        let part = part.trim_ascii();
-        if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
-            return None;
-        }
-        let parsed: u64 = std::str::from_utf8(part).ok()?.parse().ok()?;
-        if length.is_some_and(|length| length != parsed) {
-            return None;
-        }
-        length = Some(parsed);
-    }
-    length
 }
 
 /// A request target in origin form with only the bytes hyper's URI parser takes as they are;
@@ -350,8 +300,9 @@ fn is_origin_form(path: &str) -> bool {
             query = true;
             return true;
         }
+        // `<` and `>` are refused by hyper's URI parser even in a query: not the lane's.
         matches!(byte, 0x21 | 0x24..=0x3B | 0x3D | 0x40..=0x5F | 0x61..=0x7A | 0x7C | 0x7E)
-            || (query && matches!(byte, 0x3C | 0x3E | 0x60 | 0x7B | 0x7D))
+            || (query && matches!(byte, 0x60 | 0x7B | 0x7D))
     })
 }
 
@@ -423,60 +374,17 @@ pub(super) fn push_chunk(out: &mut Vec<u8>, data: &[u8]) {
     out.extend_from_slice(b"\r\n");
 }
 
-/// `date: ...`, formatted at most once a second (as hyper does).
-fn push_date(out: &mut Vec<u8>) {
-    thread_local! {
-        static DATE: RefCell<(u64, String)> = const { RefCell::new((0, String::new())) };
-    }
-    let now = SystemTime::now();
-    let second = now
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or(Duration::ZERO)
-        .as_secs();
-    DATE.with(|date| {
-        let mut date = date.borrow_mut();
-        if date.0 != second || date.1.is_empty() {
-            *date = (second, httpdate::fmt_http_date(now));
-        }
-        out.extend_from_slice(b"date: ");
-        out.extend_from_slice(date.1.as_bytes());
-        out.extend_from_slice(b"\r\n");
-    });
-}
-
-/// The proxy's own short response, as the hyper path writes it.
-pub(super) fn error_response(out: &mut Vec<u8>, status: StatusCode, body: &str, close: bool) {
-    out.clear();
-    out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(status.as_str().as_bytes());
-    out.push(b' ');
-    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
-    out.extend_from_slice(b"\r\ncontent-type: text/plain; charset=utf-8\r\n");
-    if close {
-        out.extend_from_slice(b"connection: close\r\n");
-    }
-    out.extend_from_slice(b"content-length: ");
-    push_decimal(out, body.len() as u64);
-    out.extend_from_slice(b"\r\n");
-    push_date(out);
-    out.extend_from_slice(b"\r\n");
-    out.extend_from_slice(body.as_bytes());
-}
-
 /// Where a chunked body's decoding is (RFC 9112 section 7.1), across reads.
 #[derive(Debug, Default)]
 enum ChunkState {
-    /// In a chunk-size line's digits (`size`, `digits` so far).
+    /// In a chunk-size line's digits (`size` so far).
     #[default]
     SizeStart,
-    Size {
-        size: u64,
-        digits: u8,
-    },
+    Size(u64),
     /// Whitespace after the digits.
     SizeSpace(u64),
-    /// In the extensions (`size`, bytes so far).
-    Extensions(u64, usize),
+    /// In the extensions.
+    Extensions(u64),
     /// The size line's CR seen.
     SizeLf(u64),
     Data(u64),
@@ -493,6 +401,10 @@ enum ChunkState {
 #[derive(Debug, Default)]
 pub(super) struct ChunkDecoder {
     state: ChunkState,
+    /// Bytes of chunk extensions in the body so far.
+    extensions: usize,
+    /// Trailer fields so far.
+    trailer_fields: usize,
 }
 
 impl ChunkDecoder {
@@ -518,34 +430,33 @@ impl ChunkDecoder {
             at += 1;
             self.state = match (std::mem::take(&mut self.state), byte) {
                 (SizeStart, byte) => match hex(byte) {
-                    Some(digit) => Size {
-                        size: u64::from(digit),
-                        digits: 1,
-                    },
+                    Some(digit) => Size(u64::from(digit)),
                     None => return Err("no chunk size"),
                 },
-                (Size { size, digits }, byte) => match hex(byte) {
-                    Some(_) if digits >= 16 => return Err("chunk size too large"),
-                    Some(digit) => Size {
-                        size: (size << 4) | u64::from(digit),
-                        digits: digits + 1,
-                    },
+                // Leading zeros are as many as the target likes; the value must fit (hyper's
+                // rule).
+                (Size(size), byte) => match hex(byte) {
+                    Some(_) if size >> 60 != 0 => return Err("chunk size too large"),
+                    Some(digit) => Size((size << 4) | u64::from(digit)),
                     None => match byte {
                         b' ' | b'\t' => SizeSpace(size),
-                        b';' => Extensions(size, 0),
+                        b';' => Extensions(size),
                         b'\r' => SizeLf(size),
                         _ => return Err("bad chunk size"),
                     },
                 },
                 (SizeSpace(size), b' ' | b'\t') => SizeSpace(size),
-                (SizeSpace(size), b';') => Extensions(size, 0),
+                (SizeSpace(size), b';') => Extensions(size),
                 (SizeSpace(size), b'\r') => SizeLf(size),
-                (Extensions(_, length), _) if length >= MAX_CHUNK_EXTENSIONS => {
-                    return Err("chunk extensions too long");
+                (Extensions(size), b'\r') => SizeLf(size),
+                (Extensions(_), b'\n') => return Err("bare LF in a chunk extension"),
+                (Extensions(size), _) => {
+                    self.extensions += 1;
+                    if self.extensions >= MAX_CHUNK_EXTENSIONS {
+                        return Err("chunk extensions too long");
+                    }
+                    Extensions(size)
                 }
-                (Extensions(size, _), b'\r') => SizeLf(size),
-                (Extensions(_, _), b'\n') => return Err("bare LF in a chunk extension"),
-                (Extensions(size, length), _) => Extensions(size, length + 1),
                 (SizeLf(0), b'\n') => TrailerStart(0),
                 (SizeLf(size), b'\n') => Data(size),
                 (DataCr, b'\r') => DataLf,
@@ -557,7 +468,13 @@ impl ChunkDecoder {
                 (Trailer(total), b'\r') => TrailerLf(total + 1),
                 (TrailerStart(_) | Trailer(_), b'\n') => return Err("bare LF in trailers"),
                 (TrailerStart(total) | Trailer(total), _) => Trailer(total + 1),
-                (TrailerLf(total), b'\n') => TrailerStart(total + 1),
+                (TrailerLf(total), b'\n') => {
+                    self.trailer_fields += 1;
+                    if self.trailer_fields > MAX_TRAILER_FIELDS {
+                        return Err("too many trailer fields");
+                    }
+                    TrailerStart(total + 1)
+                }
                 (EndLf, b'\n') => {
                     self.state = Done;
                     return Ok((at, true));
@@ -597,6 +514,7 @@ mod tests {
             planned,
             Planned::Request(RequestPlan {
                 head_len: raw.len() - 4,
+                method: b"GET",
                 is_head: false,
                 close: false
             })
@@ -659,11 +577,15 @@ mod tests {
             .collect();
         let raw = format!("GET / HTTP/1.1\r\nHost: a\r\n{many}\r\n");
         assert_eq!(request(&raw, false).0, Planned::Other, "too many headers");
-        // A query may carry what a path may not.
+        // A query may carry what a path may not, but not `<` or `>` (hyper refuses them).
         assert!(matches!(
-            request("GET /?q={x}<y> HTTP/1.1\r\nHost: a\r\n\r\n", false).0,
+            request("GET /?q={x}`y` HTTP/1.1\r\nHost: a\r\n\r\n", false).0,
             Planned::Request(_)
         ));
+        assert_eq!(
+            request("GET /?q=<y> HTTP/1.1\r\nHost: a\r\n\r\n", false).0,
+            Planned::Other
+        );
         assert_eq!(
             request("GET / HTTP/1.1\r\nHost: a\r\n", false).0,
             Planned::Partial
@@ -732,10 +654,11 @@ mod tests {
                 false,
                 Some((Framing::Chunked, true)),
             ),
+            // Coded content is a 502 (HAProxy's rule).
             (
                 "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
                 false,
-                Some((Framing::Close, false)),
+                None,
             ),
             (
                 "HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
@@ -757,10 +680,11 @@ mod tests {
                 false,
                 Some((Framing::Length(5), false)),
             ),
+            // An HTTP/1.0 target's connection is not reused, even with `keep-alive`.
             (
                 "HTTP/1.0 200 OK\r\ncontent-length: 5\r\nconnection: keep-alive\r\n\r\n",
                 false,
-                Some((Framing::Length(5), true)),
+                Some((Framing::Length(5), false)),
             ),
             // A length that is no number is a 502, a HEAD's too (HAProxy's rule, and hyper's
             // path's).
@@ -800,7 +724,7 @@ mod tests {
                 false
             )
             .0,
-            Parsed::Informational(37)
+            Parsed::Interim(37)
         );
         assert_eq!(
             response("HTTP/1.1 200 OK\r\n", false, false).0,
@@ -808,7 +732,7 @@ mod tests {
         );
         assert_eq!(
             response("HTTP/1.1 200 OK\r\nbad header\r\n\r\n", false, false).0,
-            Parsed::Bad
+            Parsed::Bad(BadResponse::Unreadable)
         );
     }
 
@@ -890,22 +814,5 @@ mod tests {
         }
         let long_extension = format!("1;{}\r\n", "e".repeat(MAX_CHUNK_EXTENSIONS + 1));
         assert!(dechunk(long_extension.as_bytes(), 64).is_err());
-    }
-
-    #[test]
-    fn error_responses_read_like_the_hyper_paths() {
-        let mut out = Vec::new();
-        error_response(
-            &mut out,
-            StatusCode::BAD_GATEWAY,
-            "bad gateway: x failed to respond\n",
-            true,
-        );
-        let text = String::from_utf8(out).unwrap();
-        assert!(text.starts_with("HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\ncontent-length: 33\r\ndate: "), "{text}");
-        assert!(
-            text.ends_with("\r\n\r\nbad gateway: x failed to respond\n"),
-            "{text}"
-        );
     }
 }

@@ -27,25 +27,23 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use hyper::StatusCode;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt as _, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
 use tracing::debug;
 
-mod wire;
-
-use self::wire::{
-    ChunkDecoder, Framing, Parsed, Planned, RequestPlan, ResponsePlan, error_response,
-    plan_request, plan_response, push_chunk,
+use super::wire::{
+    ChunkDecoder, Framing, Parsed, Planned, RequestPlan, ResponsePlan, plan_request, plan_response,
+    push_chunk,
 };
-use super::client::PlainConn;
-use super::context::ConnCtx;
-use super::io::PARK_AFTER;
-use super::service::InFlight;
 use crate::drain::{Cancelled, Watch};
 use crate::metrics::Timeout;
 use crate::net;
+use crate::proxy::http::client::PlainConn;
+use crate::proxy::http::context::ConnCtx;
+use crate::proxy::http::io::{self as hyper_io, PARK_AFTER};
+use crate::proxy::http::policy::{self, BadResponse, Synthetic};
+use crate::proxy::http::service::InFlight;
 
 /// hyper's default bound on a response head.
 const MAX_RESPONSE_HEAD: usize = 8192 + 4096 * 100;
@@ -254,6 +252,8 @@ struct FastLane<'a> {
     up_start: usize,
     up_end: usize,
     timer: Option<Pin<Box<Sleep>>>,
+    /// The client shut its sending side while its request was served: no more requests.
+    half_closed: bool,
 }
 
 /// A lane's buffers. When the lane ends they go to the next lane on the same thread (a few are
@@ -343,6 +343,7 @@ impl<'a> FastLane<'a> {
             up_start: 0,
             up_end: 0,
             timer: None,
+            half_closed: false,
         }
     }
 
@@ -443,7 +444,7 @@ impl<'a> FastLane<'a> {
     async fn close(mut self) {
         let _ = self.client.shutdown().await;
         if self.start != self.end || net::unread_bytes(self.client.as_raw_fd()) > 0 {
-            super::io::linger(self.client, &self.ctx.terminate).await;
+            hyper_io::linger(self.client, &self.ctx.terminate).await;
         }
     }
 
@@ -458,11 +459,9 @@ impl<'a> FastLane<'a> {
         let in_flight = InFlight::start(ctx);
         ctx.proxy.metrics.fast_lane_request();
         let pool = &ctx.upstream.http1;
-        let deadline = ctx
-            .proxy
-            .http
-            .response_timeout
-            .map(|limit| Instant::now() + limit);
+        let target = &ctx.upstream.name;
+        // The response timeout counts from here, the connect included (the policy's deadline).
+        let deadline = policy::response_deadline(ctx.proxy.http.response_timeout);
         let mut replayed = false;
         let (mut conn, response) = loop {
             let (mut conn, reused) = match pool.checkout_plain() {
@@ -475,24 +474,20 @@ impl<'a> FastLane<'a> {
                         terminate,
                         None,
                         &mut self.timer,
-                        None,
+                        deadline,
                     )
                     .await;
                     match dialled {
                         Waited::Ready(Ok(conn)) => (conn, false),
                         Waited::Ready(Err(error)) => {
                             debug!(%error, "forwarding failed");
-                            let (status, why) = match error.kind() {
-                                io::ErrorKind::TimedOut => (
-                                    StatusCode::GATEWAY_TIMEOUT,
-                                    "gateway timeout: cannot connect to",
-                                ),
-                                _ => (StatusCode::BAD_GATEWAY, "bad gateway: cannot connect to"),
-                            };
-                            let body = format!("{why} {}\n", ctx.upstream.name);
-                            return self
-                                .answer(status, &body, request, &in_flight, terminate)
-                                .await;
+                            let timed_out = error.kind() == io::ErrorKind::TimedOut;
+                            let answer = Synthetic::cannot_connect(target, timed_out);
+                            return self.answer(&answer, request, &in_flight, terminate).await;
+                        }
+                        Waited::TimedOut => {
+                            let answer = Synthetic::no_response_in_time(target);
+                            return self.answer(&answer, request, &in_flight, terminate).await;
                         }
                         _ => return Outcome::Terminated,
                     }
@@ -519,38 +514,24 @@ impl<'a> FastLane<'a> {
             match head {
                 HeadRead::Response(response) => break (conn, response),
                 // The keep-alive race: the target closed the pooled connection as the request
-                // went out. Replayed once, as the hyper path does (every method here is
-                // idempotent, and there is no body).
-                HeadRead::ClosedBeforeResponse if reused && !replayed => {
+                // went out. Replayed once (the policy's rule; every request here is bodiless).
+                HeadRead::ClosedBeforeResponse
+                    if !replayed && policy::may_replay(request.method, false, reused) =>
+                {
                     debug!("the target closed a pooled connection before answering; retrying once");
                     replayed = true;
                 }
-                HeadRead::ClosedBeforeResponse | HeadRead::Bad => {
-                    let body = format!("bad gateway: {} failed to respond\n", ctx.upstream.name);
-                    return self
-                        .answer(
-                            StatusCode::BAD_GATEWAY,
-                            &body,
-                            request,
-                            &in_flight,
-                            terminate,
-                        )
-                        .await;
+                HeadRead::ClosedBeforeResponse => {
+                    let answer = Synthetic::bad_response(target, BadResponse::Unreadable);
+                    return self.answer(&answer, request, &in_flight, terminate).await;
+                }
+                HeadRead::Bad(bad) => {
+                    let answer = Synthetic::bad_response(target, bad);
+                    return self.answer(&answer, request, &in_flight, terminate).await;
                 }
                 HeadRead::TimedOut => {
-                    let body = format!(
-                        "gateway timeout: {} did not respond in time\n",
-                        ctx.upstream.name
-                    );
-                    return self
-                        .answer(
-                            StatusCode::GATEWAY_TIMEOUT,
-                            &body,
-                            request,
-                            &in_flight,
-                            terminate,
-                        )
-                        .await;
+                    let answer = Synthetic::no_response_in_time(target);
+                    return self.answer(&answer, request, &in_flight, terminate).await;
                 }
                 HeadRead::ClientGone => return Outcome::Cut,
                 HeadRead::Terminated => return Outcome::Terminated,
@@ -578,26 +559,27 @@ impl<'a> FastLane<'a> {
         }
     }
 
-    /// Answers the client with the proxy's own short response (the hyper path's bodies).
+    /// Answers the client with the proxy's own response.
     async fn answer(
         &mut self,
-        status: StatusCode,
-        body: &str,
+        answer: &Synthetic,
         request: &RequestPlan,
         in_flight: &InFlight,
         terminate: &mut Pin<&mut Cancelled<'_>>,
     ) -> Outcome {
         let close = request.close || self.ctx.closing();
-        in_flight.record_code(self.ctx, status.as_u16());
-        error_response(&mut self.buf.out, status, body, close);
+        in_flight.record_code(self.ctx, answer.status.as_u16());
+        answer.write_http1(&mut self.buf.out, close);
         match self.flush(terminate).await {
             Ok(()) => Outcome::KeepAlive,
             Err(failed) => failed.into(),
         }
     }
 
-    /// Reads the target's response head (past any 1xx), and writes the client's head into
-    /// `out`. Meanwhile an EOF from the client cancels the request, as in hyper.
+    /// Reads the target's response head, forwarding interim (1xx) ones, and writes the
+    /// client's head into `out`. Meanwhile a client's error (a reset) cancels the request; its
+    /// EOF is a half-close, which still gets the response (the policy's rule, and hyper's with
+    /// `half_close`).
     async fn read_response_head(
         &mut self,
         conn: &mut PlainConn,
@@ -622,20 +604,28 @@ impl<'a> FastLane<'a> {
                         self.up_start += response.head_len;
                         return HeadRead::Response(response);
                     }
-                    Parsed::Informational(len) => {
+                    Parsed::Interim(len) => {
                         self.up_start += len;
+                        if !self.buf.out.is_empty() {
+                            match self.flush(terminate).await {
+                                Ok(()) => {}
+                                Err(WriteFailed::Io(_)) => return HeadRead::ClientGone,
+                                Err(WriteFailed::Terminated) => return HeadRead::Terminated,
+                            }
+                        }
                         continue;
                     }
                     Parsed::Partial => {}
-                    Parsed::Bad => return HeadRead::Bad,
+                    Parsed::Bad(bad) => return HeadRead::Bad(bad),
                 }
             }
             if !self.make_target_room(MAX_RESPONSE_HEAD) {
-                return HeadRead::Bad;
+                return HeadRead::Bad(BadResponse::Unreadable);
             }
             // The client is watched while nothing of a next request is buffered (as hyper
-            // does): its EOF means it gave up on this one.
-            let watch_client = self.start == self.end && self.make_room(BUFFER);
+            // does): an error means it gave up on this request.
+            let watch_client =
+                !self.half_closed && self.start == self.end && self.make_room(BUFFER);
             let (client, inbuf) = (&mut self.client, &mut self.buf.inbuf[self.end..]);
             let (target, upbuf) = (&mut conn.stream, &mut self.buf.upbuf[self.up_end..]);
             let read = wait(
@@ -658,13 +648,19 @@ impl<'a> FastLane<'a> {
                 Waited::Ready(Ok(Ok(0))) | Waited::Ready(Ok(Err(_))) if !read_any => {
                     return HeadRead::ClosedBeforeResponse;
                 }
-                Waited::Ready(Ok(Ok(0))) | Waited::Ready(Ok(Err(_))) => return HeadRead::Bad,
+                Waited::Ready(Ok(Ok(0))) | Waited::Ready(Ok(Err(_))) => {
+                    return HeadRead::Bad(BadResponse::Unreadable);
+                }
                 Waited::Ready(Ok(Ok(n))) => {
                     read_any = true;
                     self.up_end += n;
                 }
-                Waited::Ready(Err(Ok(0))) | Waited::Ready(Err(Err(_))) => {
-                    debug!("the client went away before the response");
+                Waited::Ready(Err(Ok(0))) => {
+                    debug!("the client half-closed; its response still goes out");
+                    self.half_closed = true;
+                }
+                Waited::Ready(Err(Err(error))) => {
+                    debug!(%error, "the client went away before the response");
                     return HeadRead::ClientGone;
                 }
                 Waited::Ready(Err(Ok(n))) => {
@@ -776,8 +772,8 @@ enum HeadRead {
     Response(ResponsePlan),
     /// The connection ended (or failed) before a byte of a response.
     ClosedBeforeResponse,
-    /// Not a response hyper would take, or the connection ended within the head.
-    Bad,
+    /// Not a response the policy forwards, or the connection ended within the head.
+    Bad(BadResponse),
     /// No head within the response timeout.
     TimedOut,
     ClientGone,

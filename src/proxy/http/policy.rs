@@ -1,0 +1,454 @@
+//! The rules of HTTP/1 forwarding, in one place for both engines: the fast lane
+//! (`h1::lane`, byte by byte in `h1::wire`) and hyper's path (`service`, with `headers`). Each
+//! engine reads the message its own way and asks this module what to do with it, so the
+//! behaviour cannot drift apart (tests/engines.rs sends the same requests through both).
+//!
+//! - which headers concern one hop only ([`role`], [`names_a_header`]): never `Host`;
+//! - which responses are refused with a 502 ([`BadResponse`]): an unasked `101`, a length that
+//!   is no number or two that differ, a transfer coding other than one `chunked`;
+//! - how a response is framed for the client ([`keeps_length`], [`target_may_reuse`]) and
+//!   which interim responses pass ([`Status`]);
+//! - the proxy's own answers ([`Synthetic`]: every 400/408/501/502/504 it writes);
+//! - the deadline of a response ([`response_deadline`]) and the replay rule ([`may_replay`]).
+//!
+//! What the lane takes at all is its own predicate (`h1::wire::plan_request`): only requests
+//! for which both engines do the same.
+
+use std::cell::RefCell;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use hyper::StatusCode;
+use tokio::time::Instant;
+
+/// What a header is to the proxy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Role {
+    Other,
+    Host,
+    Date,
+    /// Hop-by-hop, and names further hop-by-hop headers.
+    Connection,
+    ContentLength,
+    TransferEncoding,
+    /// `Keep-Alive`, `Proxy-Connection`, `HTTP2-Settings`: hop-by-hop, dropped.
+    HopByHop,
+    /// Hop-by-hop; a request's `TE: trailers` is passed on (the target may then send trailers).
+    Te,
+    /// Hop-by-hop, kept for an upgrade's handshake.
+    Upgrade,
+    /// A request's `Expect: 100-continue` is answered by the proxy's hyper side.
+    Expect,
+}
+
+/// The role of a header named `name` (any case). Most names have a length none of the
+/// special ones has: no comparison for them.
+pub(super) fn role(name: &str) -> Role {
+    let is = |known: &str| name.eq_ignore_ascii_case(known);
+    match name.len() {
+        2 if is("te") => Role::Te,
+        4 if is("host") => Role::Host,
+        4 if is("date") => Role::Date,
+        6 if is("expect") => Role::Expect,
+        7 if is("upgrade") => Role::Upgrade,
+        10 if is("connection") => Role::Connection,
+        10 if is("keep-alive") => Role::HopByHop,
+        14 if is("content-length") => Role::ContentLength,
+        14 if is("http2-settings") => Role::HopByHop,
+        16 if is("proxy-connection") => Role::HopByHop,
+        17 if is("transfer-encoding") => Role::TransferEncoding,
+        _ => Role::Other,
+    }
+}
+
+/// Whether a header of this role is removed on the way through (RFC 9110 section 7.6.1), the
+/// ones a `Connection` names aside.
+pub(super) fn is_hop_by_hop(role: Role) -> bool {
+    matches!(
+        role,
+        Role::Connection | Role::HopByHop | Role::Te | Role::Upgrade | Role::TransferEncoding
+    )
+}
+
+/// Whether a `Connection` token names a header that must go too: not the connection options
+/// `close` and `keep-alive`, and never `Host`, which would make the target see another host
+/// than the client's (an app's Host-based "local only" check defeated). Any number of tokens.
+pub(super) fn names_a_header(token: &[u8]) -> bool {
+    !token.eq_ignore_ascii_case(b"close")
+        && !token.eq_ignore_ascii_case(b"keep-alive")
+        && !token.eq_ignore_ascii_case(b"host")
+}
+
+/// The comma-separated tokens of a header value, trimmed, empty ones left out.
+pub(super) fn tokens(value: &[u8]) -> impl DoubleEndedIterator<Item = &[u8]> {
+    value
+        .split(|&byte| byte == b',')
+        .map(|token| token.trim_ascii())
+        .filter(|token| !token.is_empty())
+}
+
+/// What a response's status code asks of the proxy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Status {
+    Final,
+    /// `102`, `103` and other interim responses: forwarded to an HTTP/1.1 client (RFC 9110
+    /// section 15.2), hop-by-hop headers removed, before the final response.
+    Interim,
+    /// `100 Continue`: the proxy's hyper side answers a client's `Expect` itself, so the
+    /// target's is dropped.
+    Continue,
+    /// `101`: an upgrade's answer, refused when the client did not ask for one.
+    Switch,
+}
+
+pub(super) fn status(code: u16) -> Result<Status, BadResponse> {
+    match code {
+        100 => Ok(Status::Continue),
+        101 => Ok(Status::Switch),
+        102..=199 => Ok(Status::Interim),
+        200..=999 => Ok(Status::Final),
+        // No status code (RFC 9110 section 15: three digits, 1xx to 5xx).
+        _ => Err(BadResponse::Unreadable),
+    }
+}
+
+/// Why a target's response is not forwarded: the client gets a 502 instead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum BadResponse {
+    /// Not an HTTP/1 response (hyper's parser and the lane's alike), or cut within its head.
+    Unreadable,
+    /// A `101` to a request that asked for no upgrade (RFC 9110 section 15.2.2).
+    UnaskedSwitch,
+    /// A `Content-Length` that is no number, or two that differ, even where there is no body
+    /// (HAProxy's rule).
+    Length,
+    /// A transfer coding other than one `chunked`: the coded bytes would reach the client as
+    /// the content (HAProxy's rule).
+    TransferCoding,
+}
+
+impl BadResponse {
+    fn why(self) -> &'static str {
+        match self {
+            BadResponse::Unreadable => "failed to respond",
+            BadResponse::UnaskedSwitch => "switched protocols unasked",
+            BadResponse::Length => "sent an invalid Content-Length",
+            BadResponse::TransferCoding => "sent a transfer coding other than chunked",
+        }
+    }
+}
+
+/// A response's `Transfer-Encoding` values, all of them: exactly one coding, `chunked`.
+pub(super) fn response_codings<'a>(
+    values: impl Iterator<Item = &'a [u8]>,
+) -> Result<(), BadResponse> {
+    let mut codings = values.flat_map(tokens);
+    match (codings.next(), codings.next()) {
+        (Some(coding), None) if coding.eq_ignore_ascii_case(b"chunked") => Ok(()),
+        _ => Err(BadResponse::TransferCoding),
+    }
+}
+
+/// A `Content-Length` value: digits, or a comma list of equal ones (RFC 9110 section 8.6).
+pub(super) fn content_length(value: &[u8]) -> Option<u64> {
+    let mut length = None;
+    for part in value.split(|&byte| byte == b',') {
+        let part = part.trim_ascii();
+        if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let parsed: u64 = std::str::from_utf8(part).ok()?.parse().ok()?;
+        if length.is_some_and(|length| length != parsed) {
+            return None;
+        }
+        length = Some(parsed);
+    }
+    length
+}
+
+/// Whether a response has a body on the wire (RFC 9112 section 6.3).
+pub(super) fn has_body(request_is_head: bool, code: u16) -> bool {
+    !request_is_head && code != 204 && code != 304
+}
+
+/// Whether the client's response carries the target's `Content-Length` where there is no body:
+/// a HEAD's tells of the body the client did not get; a 204 has none to tell of (RFC 9110
+/// section 8.6), and a 304 goes without one (RFC 9110 lets it; hyper's server cannot write it).
+pub(super) fn keeps_length(code: u16) -> bool {
+    code != 204 && code != 304
+}
+
+/// Whether the target's connection may serve another request after this response: it ended
+/// where its framing said, the target did not ask to close, and it spoke HTTP/1.1 (an HTTP/1.0
+/// target's connection is not reused, even with `keep-alive`: hyper would speak HTTP/1.0 on it
+/// from then on).
+pub(super) fn target_may_reuse(http11: bool, target_close: bool, close_delimited: bool) -> bool {
+    http11 && !target_close && !close_delimited
+}
+
+/// The deadline of a response head: `--http-response-timeout` counted from the request's
+/// start, the connect to the target included.
+pub(super) fn response_deadline(limit: Option<Duration>) -> Option<Instant> {
+    limit.map(|limit| Instant::now() + limit)
+}
+
+/// Whether a request that got no response may be sent again, once, on another connection: only
+/// the keep-alive race (a pooled connection that the target closed before answering), and only
+/// for an idempotent request without a body (RFC 9110 section 9.2.2). A fresh connection that
+/// closes is the target's answer: a 502, never a second try.
+pub(super) fn may_replay(method: &[u8], has_body: bool, reused: bool) -> bool {
+    let idempotent = matches!(
+        method,
+        b"GET" | b"HEAD" | b"OPTIONS" | b"TRACE" | b"PUT" | b"DELETE"
+    );
+    reused && idempotent && !has_body
+}
+
+/// An interim (`1xx`) response head for the client: the status with its usual reason, the
+/// headers that are not hop-by-hop (nor named by its `Connection`).
+pub(super) fn write_interim<'a>(
+    out: &mut Vec<u8>,
+    code: u16,
+    headers: impl Iterator<Item = (&'a str, &'a [u8])> + Clone,
+) {
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(code.to_string().as_bytes());
+    out.push(b' ');
+    let reason = StatusCode::from_u16(code)
+        .ok()
+        .and_then(|status| status.canonical_reason());
+    out.extend_from_slice(reason.unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    let named = |name: &str| {
+        headers
+            .clone()
+            .filter(|(header, _)| role(header) == Role::Connection)
+            .flat_map(|(_, value)| tokens(value))
+            .any(|token| names_a_header(token) && token.eq_ignore_ascii_case(name.as_bytes()))
+    };
+    for (name, value) in headers.clone() {
+        if is_hop_by_hop(role(name)) || named(name) {
+            continue;
+        }
+        out.extend(name.bytes().map(|byte| byte.to_ascii_lowercase()));
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `date: ...` for a response without one (RFC 9110 section 6.6.1: an origin with a clock
+/// sends one; hyper adds it too), formatted at most once a second, as hyper does.
+pub(super) fn push_date(out: &mut Vec<u8>) {
+    thread_local! {
+        static DATE: RefCell<(u64, String)> = const { RefCell::new((0, String::new())) };
+    }
+    let now = SystemTime::now();
+    let second = now
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_secs();
+    DATE.with(|date| {
+        let mut date = date.borrow_mut();
+        if date.0 != second || date.1.is_empty() {
+            *date = (second, httpdate::fmt_http_date(now));
+        }
+        out.extend_from_slice(b"date: ");
+        out.extend_from_slice(date.1.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    });
+}
+
+/// A response the proxy writes itself: a status and a one-line `text/plain` body naming the
+/// target or the fault (linkerd's `SyntheticHttpResponse`). Both engines write these, and
+/// only these.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Synthetic {
+    pub(crate) status: StatusCode,
+    pub(crate) body: String,
+    /// The client's connection cannot serve on after it (the rest of its request cannot be
+    /// read as a next one).
+    pub(crate) close: bool,
+}
+
+impl Synthetic {
+    fn new(status: StatusCode, body: String) -> Synthetic {
+        Synthetic {
+            status,
+            body,
+            close: false,
+        }
+    }
+
+    /// No connection to the target: refused (502), or not within the connect timeout (504).
+    pub(crate) fn cannot_connect(target: &str, timed_out: bool) -> Synthetic {
+        match timed_out {
+            true => Synthetic::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                format!("gateway timeout: cannot connect to {target}\n"),
+            ),
+            false => Synthetic::new(
+                StatusCode::BAD_GATEWAY,
+                format!("bad gateway: cannot connect to {target}\n"),
+            ),
+        }
+    }
+
+    /// No response head within the response timeout.
+    pub(crate) fn no_response_in_time(target: &str) -> Synthetic {
+        Synthetic::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            format!("gateway timeout: {target} did not respond in time\n"),
+        )
+    }
+
+    /// A response the proxy does not forward (see [`BadResponse`]), or none at all.
+    pub(crate) fn bad_response(target: &str, bad: BadResponse) -> Synthetic {
+        Synthetic::new(
+            StatusCode::BAD_GATEWAY,
+            format!("bad gateway: {target} {}\n", bad.why()),
+        )
+    }
+
+    /// A request the proxy refuses.
+    pub(crate) fn bad_request(why: &str) -> Synthetic {
+        Synthetic::new(StatusCode::BAD_REQUEST, format!("bad request: {why}\n"))
+    }
+
+    /// A request body that stopped arriving before the response (408).
+    pub(crate) fn request_body_stalled() -> Synthetic {
+        Synthetic::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "request timeout: the request body stopped arriving\n".into(),
+        )
+        .closing()
+    }
+
+    /// A request body that was malformed or cut short (400).
+    pub(crate) fn request_body_broken() -> Synthetic {
+        Synthetic::bad_request("the request body is malformed or incomplete").closing()
+    }
+
+    /// A transfer coding the proxy does not implement (501).
+    pub(crate) fn unknown_coding(coding: &str) -> Synthetic {
+        Synthetic::new(
+            StatusCode::NOT_IMPLEMENTED,
+            format!("not implemented: transfer coding {coding:?}\n"),
+        )
+    }
+
+    /// The same answer, ending the client's connection.
+    pub(crate) fn closing(mut self) -> Synthetic {
+        self.close = true;
+        self
+    }
+
+    /// The whole response as HTTP/1.1 bytes (the lane's; hyper writes the same head from
+    /// [`Synthetic::status`] and the body).
+    pub(super) fn write_http1(&self, out: &mut Vec<u8>, close: bool) {
+        out.clear();
+        out.extend_from_slice(b"HTTP/1.1 ");
+        out.extend_from_slice(self.status.as_str().as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(self.status.canonical_reason().unwrap_or("").as_bytes());
+        out.extend_from_slice(b"\r\ncontent-type: text/plain; charset=utf-8\r\n");
+        if close || self.close {
+            out.extend_from_slice(b"connection: close\r\n");
+        }
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(self.body.len().to_string().as_bytes());
+        out.extend_from_slice(b"\r\n");
+        push_date(out);
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(self.body.as_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_never_names_host_and_any_number_of_tokens_is_read() {
+        assert!(!names_a_header(b"Host"));
+        assert!(!names_a_header(b"close"));
+        assert!(names_a_header(b"x-secret"));
+        let value = b"a, b,, c ,d,e,f,g,h,i,j";
+        assert_eq!(tokens(value).count(), 10);
+    }
+
+    #[test]
+    fn only_one_chunked_coding_is_a_response_framing() {
+        let check = |values: &[&[u8]]| response_codings(values.iter().copied());
+        assert_eq!(check(&[b"chunked"]), Ok(()));
+        assert_eq!(check(&[b"Chunked "]), Ok(()));
+        for bad in [
+            &[&b"gzip, chunked"[..]][..],
+            &[b"chunked", b"identity"],
+            &[b"gzip"],
+            &[b"chunked, chunked"],
+            &[b""],
+        ] {
+            assert_eq!(check(bad), Err(BadResponse::TransferCoding), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn statuses_and_lengths() {
+        assert_eq!(status(99), Err(BadResponse::Unreadable));
+        assert_eq!(status(0), Err(BadResponse::Unreadable));
+        assert_eq!(status(103), Ok(Status::Interim));
+        assert_eq!(status(100), Ok(Status::Continue));
+        assert_eq!(status(101), Ok(Status::Switch));
+        assert_eq!(status(200), Ok(Status::Final));
+        assert_eq!(content_length(b"5, 5"), Some(5));
+        assert_eq!(content_length(b"007"), Some(7));
+        for bad in [
+            &b"5, 6"[..],
+            b"+5",
+            b"-1",
+            b"",
+            b"nope",
+            b"99999999999999999999",
+        ] {
+            assert_eq!(content_length(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn only_the_keep_alive_race_is_replayed() {
+        assert!(may_replay(b"GET", false, true));
+        assert!(may_replay(b"DELETE", false, true));
+        assert!(!may_replay(b"GET", false, false), "a fresh connection");
+        assert!(!may_replay(b"GET", true, true), "a body");
+        assert!(!may_replay(b"POST", false, true), "not idempotent");
+    }
+
+    #[test]
+    fn interim_responses_lose_their_hop_by_hop_headers() {
+        let mut out = Vec::new();
+        let headers: [(&str, &[u8]); 4] = [
+            ("Link", b"</a>; rel=preload"),
+            ("Connection", b"x-hint"),
+            ("X-Hint", b"1"),
+            ("Keep-Alive", b"timeout=5"),
+        ];
+        write_interim(&mut out, 103, headers.into_iter());
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "HTTP/1.1 103 Early Hints\r\nlink: </a>; rel=preload\r\n\r\n"
+        );
+    }
+
+    #[test]
+    fn a_synthetic_response_reads_the_same_whichever_engine_writes_it() {
+        let mut out = Vec::new();
+        Synthetic::bad_response("x", BadResponse::Unreadable).write_http1(&mut out, true);
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.starts_with("HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\ncontent-length: 33\r\ndate: "), "{text}");
+        assert!(
+            text.ends_with("\r\n\r\nbad gateway: x failed to respond\n"),
+            "{text}"
+        );
+    }
+}
