@@ -19,6 +19,9 @@ pub struct Quiet {
     next_check: Instant,
     last: u64,
     quiet_checks: u32,
+    /// `busy()` at the last check: its end falls somewhere before the next, which counts as a
+    /// movement there.
+    was_busy: bool,
 }
 
 impl Quiet {
@@ -30,11 +33,13 @@ impl Quiet {
             next_check: Instant::now() + period,
             last: progress,
             quiet_checks: 0,
+            was_busy: false,
         }
     }
 
-    /// Resolves once `progress()` has not moved, and `busy()` has not been true at any check,
-    /// for the limit. Cancel-safe: the state lives in `self`, so it can be polled again in a
+    /// Resolves once `progress()` has not moved, and `busy()` has not been true, for the limit:
+    /// the end of a busy spell counts as a movement (it happened after the last check that saw
+    /// it busy). Cancel-safe: the state lives in `self`, so it can be polled again in a
     /// `select!` loop.
     pub async fn expired(&mut self, progress: impl Fn() -> u64, busy: impl Fn() -> bool) {
         loop {
@@ -43,8 +48,10 @@ impl Quiet {
             // checks at once.
             self.next_check = Instant::now() + self.period;
             let now = progress();
-            if now != self.last || busy() {
+            let busy = busy();
+            if now != self.last || busy || self.was_busy {
                 self.last = now;
+                self.was_busy = busy;
                 self.quiet_checks = 0;
                 continue;
             }
@@ -90,6 +97,21 @@ mod tests {
             "expired {quiet_for:?} after the last movement"
         );
         assert!(started.elapsed() > Duration::from_secs(100));
+    }
+
+    /// A long request on an HTTP/2 connection: the bound counts from the request's end, not
+    /// from the last check that saw it.
+    #[tokio::test(start_paused = true)]
+    async fn fires_between_the_limit_and_a_quarter_more_after_being_busy() {
+        let limit = Duration::from_secs(60);
+        let busy_until = Instant::now() + Duration::from_secs(40);
+        let mut quiet = Quiet::new(limit, 0);
+        quiet.expired(|| 0, || Instant::now() < busy_until).await;
+        let quiet_for = busy_until.elapsed();
+        assert!(
+            quiet_for >= limit && quiet_for <= limit + limit / 4,
+            "expired {quiet_for:?} after the busy spell ended"
+        );
     }
 
     #[tokio::test(start_paused = true)]
