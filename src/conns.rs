@@ -105,11 +105,29 @@ pub struct Connection {
     pub bytes_from_peer: AtomicU64,
     pub bytes_to_peer: AtomicU64,
     pub requests_in_flight: AtomicU32,
+    /// When its last request ended (its response went out whole, or failed), in milliseconds
+    /// after `opened_at`; 0 before the first. How long an HTTP/1 connection has been idle.
+    last_request_done_ms: AtomicU64,
 }
 
 impl Connection {
     pub fn direction(&self) -> Direction {
         self.route.direction
+    }
+
+    /// A request on it ended at `at`.
+    pub fn request_done(&self, at: Instant) {
+        let ms = at.saturating_duration_since(self.opened_at).as_millis();
+        self.last_request_done_ms.store(
+            u64::try_from(ms).unwrap_or(u64::MAX).max(1),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Since when it has had no request: the end of its last one, or its opening.
+    pub fn idle_since(&self) -> Instant {
+        let ms = self.last_request_done_ms.load(Ordering::Relaxed);
+        self.opened_at + std::time::Duration::from_millis(ms)
     }
 
     pub fn protocol(&self) -> ConnProtocol {
@@ -224,6 +242,7 @@ impl Connections {
             bytes_from_peer: AtomicU64::new(0),
             bytes_to_peer: AtomicU64::new(0),
             requests_in_flight: AtomicU32::new(0),
+            last_request_done_ms: AtomicU64::new(0),
         });
         self.lock().insert(id, conn.clone());
         Registration {

@@ -217,36 +217,99 @@ fn http1_inflight_request_completes_with_connection_close() {
     eprintln!("exit {exit:?} after the last response");
 }
 
+/// Once the listeners have closed, an idle keep-alive connection is closed (FIN) when it has
+/// been idle for a second: at once for one idle longer, a second after its last response for one
+/// just answered, whose client may be about to send its next request.
 #[test]
-fn idle_keepalive_connection_is_closed_at_once() {
+fn idle_keepalive_connections_are_closed_once_idle_for_a_second() {
     let backend = Backend::start();
     let mut proxy = proxy_for(&backend, &[]);
-    // One connection idle long enough to be parked, one that has just been answered.
-    let mut parked = send_raw(proxy.inbound[0], &get("/"));
-    assert_eq!(read_response(&mut parked).unwrap().status, 200);
-    thread::sleep(Duration::from_millis(200));
+    let mut idle = send_raw(proxy.inbound[0], &get("/"));
+    assert_eq!(read_response(&mut idle).unwrap().status, 200);
+    thread::sleep(Duration::from_millis(1500));
     let mut client = send_raw(proxy.inbound[0], &get("/"));
     assert_eq!(read_response(&mut client).unwrap().status, 200);
     let sent = Instant::now();
     proxy.signal(libc::SIGTERM);
+    assert_eq!(
+        wait_close(&mut idle, PATIENCE).0,
+        Close::Eof,
+        "FIN, not RST"
+    );
+    let idle_closed = sent.elapsed();
+    assert!(
+        idle_closed < Duration::from_millis(500),
+        "the connection idle for 1.5 s closed after {idle_closed:?}"
+    );
     let (close, _) = wait_close(&mut client, PATIENCE);
     let closed = sent.elapsed();
     assert_eq!(close, Close::Eof, "FIN, not RST");
     assert!(
-        closed < Duration::from_millis(500),
-        "closed after {closed:?}"
-    );
-    assert_eq!(wait_close(&mut parked, PATIENCE).0, Close::Eof);
-    let parked_closed = sent.elapsed();
-    assert!(
-        parked_closed < Duration::from_millis(500),
-        "the parked connection closed after {parked_closed:?}"
+        closed > Duration::from_millis(700) && closed < Duration::from_millis(2500),
+        "the connection just answered closed after {closed:?}"
     );
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
     eprintln!(
-        "idle keep-alive closed {closed:?} after SIGTERM, exit {:?}",
+        "idle keep-alive closed {idle_closed:?} after SIGTERM, the one just answered {closed:?}, exit {:?}",
         sent.elapsed()
     );
+}
+
+/// A client reusing its keep-alive connection as the drain begins (no lame duck: the listeners
+/// close at once) gets its next request answered, with `connection: close`, instead of finding
+/// the connection closed under it.
+#[test]
+fn a_request_on_a_keepalive_connection_just_after_sigterm_is_answered() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &[]);
+    let mut client = send_raw(proxy.inbound[0], &get("/"));
+    assert_eq!(read_response(&mut client).unwrap().status, 200);
+    proxy.signal(libc::SIGTERM);
+    thread::sleep(Duration::from_millis(100));
+    client.write_all(&get("/after")).unwrap();
+    let response = read_response(&mut client).expect("the request after SIGTERM was answered");
+    assert_eq!(response.status, 200);
+    assert_eq!(response.header("connection"), Some("close"));
+    assert_eq!(wait_close(&mut client, PATIENCE).0, Close::Eof);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
+
+/// A response whose head went out before the drain began ends as its head said: the connection
+/// is not closed under the client (its head promised keep-alive), and its next request is
+/// answered with `connection: close`.
+#[test]
+fn a_response_begun_before_the_drain_keeps_its_connection_as_its_head_said() {
+    let backend = Backend::start();
+    let mut proxy = proxy_for(&backend, &[]);
+    let mut client = send_raw(
+        proxy.inbound[0],
+        &get("/slow?chunks=5&size=10&interval=100"),
+    );
+    client.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut received = Vec::new();
+    let mut buf = [0u8; 1024];
+    let head_end = loop {
+        let n = client.read(&mut buf).unwrap();
+        assert!(n > 0, "closed in the head");
+        received.extend_from_slice(&buf[..n]);
+        if let Some(end) = received.windows(4).position(|w| w == b"\r\n\r\n") {
+            break end + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&received[..head_end]).to_lowercase();
+    assert!(!head.contains("connection: close"), "{head}");
+    proxy.signal(libc::SIGTERM);
+    while received.len() < head_end + 50 {
+        let n = client.read(&mut buf).unwrap();
+        assert!(n > 0, "closed in the body");
+        received.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(received.len(), head_end + 50, "bytes after the body");
+    client.write_all(&get("/next")).unwrap();
+    let response = read_response(&mut client).expect("the next request was answered");
+    assert_eq!(response.status, 200);
+    assert_eq!(response.header("connection"), Some("close"));
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
 
 /// A parked keep-alive connection is reset, like every other, when a second signal stops the

@@ -5,6 +5,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Waker;
+use std::time::Duration;
 
 use futures_util::task::AtomicWaker;
 use tokio::sync::Notify;
@@ -15,6 +16,13 @@ use crate::conns::{Connection, Registration};
 use crate::drain::{ConnTokens, Watch};
 use crate::proxy::ProxyContext;
 use crate::sync::lock;
+
+/// How long, once the listeners have closed, an idle HTTP/1 connection is still waited for
+/// after its last request: a client that reuses its connection under load sends its next
+/// request within it, and closing the connection before that request arrives would answer it
+/// with an EOF or a reset instead of a response. Served, that request gets `connection:
+/// close`; a connection idle for longer is closed at once.
+pub(super) const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// Which HTTP a connection speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -148,6 +156,12 @@ impl ConnCtx {
         self.version == HttpVersion::Http1
             && self.conn().requests_in_flight.load(Ordering::Acquire) > 0
             && self.bodies_open.load(Ordering::Acquire) == 0
+    }
+
+    /// When this connection, idle once the listeners have closed, is closed (see
+    /// [`IDLE_CLOSE_GRACE`]).
+    pub(super) fn idle_close_at(&self) -> tokio::time::Instant {
+        (self.conn().idle_since() + IDLE_CLOSE_GRACE).into()
     }
 
     /// Whether responses must ask the client to go away (HTTP/1 `connection: close`).

@@ -93,7 +93,14 @@ fn keep_alive(
                 Wake::ListenersClosed if ctx.terminate.is_cancelled() => return reset_client(fd),
                 // The listeners closed: a parked connection is idle, unless a request's
                 // bytes have just arrived (then it is served, with `connection: close`).
-                Wake::ListenersClosed if net::unread_bytes(fd) == 0 => return,
+                Wake::ListenersClosed
+                    if net::unread_bytes(fd) == 0
+                        && ctx.idle_close_at() <= tokio::time::Instant::now() =>
+                {
+                    return;
+                }
+                // Idle for less than the grace: it may still get a request, served with
+                // `connection: close` (IDLE_CLOSE_GRACE).
                 Wake::ListenersClosed => true,
                 // The client went away, or stayed idle for the header read timeout (hyper's
                 // keep-alive timeout, which the parking keeps).
@@ -187,6 +194,10 @@ async fn http1_session(
         .with_upgrades();
     let mut drain = pin!(Cancelled::new(listeners_closed));
     let mut terminate = pin!(Cancelled::new(&ctx.terminate));
+    // Once the listeners have closed: when the connection, if idle then, is closed.
+    let mut idle_close: Option<tokio::time::Instant> = closing.then(|| ctx.idle_close_at());
+    let idle =
+        || ctx.conn().requests_in_flight.load(Ordering::Acquire) == 0 && net::unread_bytes(fd) == 0;
     let served = loop {
         tokio::select! {
             // In this order, the connection first, with no random start per poll; the two
@@ -195,12 +206,16 @@ async fn http1_session(
             // The client closed, the last response went out, the session parked, or the
             // connection failed.
             served = &mut connection => break served,
-            // The listeners closed: close this connection if it is idle.
+            // The listeners closed: close this connection once it has been idle for the
+            // grace (a request that comes first is served with `connection: close`).
             _ = &mut drain, if !closing => {
                 closing = true;
-                let idle = ctx.conn().requests_in_flight.load(Ordering::Acquire) == 0
-                    && net::unread_bytes(fd) == 0;
-                if idle {
+                idle_close = Some(ctx.idle_close_at());
+            }
+            () = async { tokio::time::sleep_until(idle_close.expect("guarded")).await },
+                if idle_close.is_some() => {
+                idle_close = None;
+                if idle() {
                     Pin::new(&mut connection).graceful_shutdown();
                 }
             }

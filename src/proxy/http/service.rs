@@ -518,8 +518,11 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        let now = Instant::now();
+        self.conn.request_done(now);
         self.conn.requests_in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.duration.observe(self.started.elapsed().as_secs_f64());
+        self.duration
+            .observe(now.duration_since(self.started).as_secs_f64());
     }
 }
 

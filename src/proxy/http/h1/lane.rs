@@ -86,8 +86,14 @@ pub(super) async fn serve(
                 }
                 let since = *head_since.get_or_insert_with(Instant::now);
                 let drain = (idle && !closing).then_some(&mut drain);
+                // Once the listeners have closed, an idle connection is not parked: it waits
+                // for a next request until its idle close (then a FIN).
+                let deadline = match idle && closing {
+                    true => ctx.idle_close_at(),
+                    false => since + PARK_AFTER,
+                };
                 match lane
-                    .read_client(&mut terminate, drain, since + PARK_AFTER, max_head)
+                    .read_client(&mut terminate, drain, deadline, max_head)
                     .await
                 {
                     Waited::Ready(Ok(0)) => return Lane::Done,
@@ -98,15 +104,14 @@ pub(super) async fn serve(
                     }
                     // Nothing came: the connection parks, or a slow head goes to hyper, which
                     // bounds it with the header read timeout.
+                    Waited::TimedOut if idle && closing => return Lane::Done,
                     Waited::TimedOut if idle => return Lane::Parked(lane.client),
                     Waited::TimedOut => return lane.into_hyper(),
                     Waited::Terminated => return lane.reset(),
+                    // Idle: closed (a FIN) once idle for the grace, or served if a request
+                    // comes first.
                     Waited::ListenersClosed => {
                         closing = true;
-                        if net::unread_bytes(lane.client.as_raw_fd()) == 0 {
-                            // Idle: closed at once (a FIN).
-                            return Lane::Done;
-                        }
                         continue;
                     }
                 }
@@ -115,11 +120,14 @@ pub(super) async fn serve(
         head_since = None;
         lane.start += request.head_len;
         match lane.forward(&request, &mut terminate).await {
-            Outcome::KeepAlive if request.close || ctx.closing() => {
+            // Closed as the response said, never otherwise: a drain that began after its head
+            // went out leaves the connection to the next response (or the idle close), and a
+            // client that was told nothing finds its next request answered.
+            Outcome::Sent { close: true } => {
                 lane.close().await;
                 return Lane::Done;
             }
-            Outcome::KeepAlive => {}
+            Outcome::Sent { close: false } => {}
             Outcome::Cut => return Lane::Done,
             Outcome::Terminated => return lane.reset(),
         }
@@ -128,8 +136,8 @@ pub(super) async fn serve(
 
 /// How one forwarded request ended.
 enum Outcome {
-    /// The response went out whole.
-    KeepAlive,
+    /// The response went out whole; `close`: it said `connection: close`.
+    Sent { close: bool },
     /// The response could not be finished (the target or the client failed mid-way), or the
     /// client went away: the connection is dropped.
     Cut,
@@ -551,7 +559,9 @@ impl<'a> FastLane<'a> {
                     drop(conn);
                 }
                 match self.flush(terminate).await {
-                    Ok(()) => Outcome::KeepAlive,
+                    Ok(()) => Outcome::Sent {
+                        close: response.close,
+                    },
                     Err(failed) => failed.into(),
                 }
             }
@@ -571,7 +581,9 @@ impl<'a> FastLane<'a> {
         in_flight.record_code(self.ctx, answer.status.as_u16());
         answer.write_http1(&mut self.buf.out, close);
         match self.flush(terminate).await {
-            Ok(()) => Outcome::KeepAlive,
+            Ok(()) => Outcome::Sent {
+                close: close || answer.close,
+            },
             Err(failed) => failed.into(),
         }
     }

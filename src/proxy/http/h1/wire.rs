@@ -128,6 +128,9 @@ pub(super) struct ResponsePlan {
     pub(super) framing: Framing,
     /// The target keeps the connection open after it.
     pub(super) reusable: bool,
+    /// The client's head says `connection: close`: its connection ends after this response
+    /// (decided once, with the head, so that what it says and what happens agree).
+    pub(super) close: bool,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -276,6 +279,7 @@ pub(super) fn plan_response(
         code,
         framing,
         reusable,
+        close,
     })
 }
 
