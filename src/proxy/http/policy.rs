@@ -42,6 +42,7 @@ pub(super) enum Role {
 
 /// The role of a header named `name` (any case). Most names have a length none of the
 /// special ones has: no comparison for them.
+#[inline]
 pub(super) fn role(name: &str) -> Role {
     let is = |known: &str| name.eq_ignore_ascii_case(known);
     match name.len() {
@@ -62,6 +63,7 @@ pub(super) fn role(name: &str) -> Role {
 
 /// Whether a header of this role is removed on the way through (RFC 9110 section 7.6.1), the
 /// ones a `Connection` names aside.
+#[inline]
 pub(super) fn is_hop_by_hop(role: Role) -> bool {
     matches!(
         role,
@@ -72,6 +74,7 @@ pub(super) fn is_hop_by_hop(role: Role) -> bool {
 /// Whether a `Connection` token names a header that must go too: not the connection options
 /// `close` and `keep-alive`, and never `Host`, which would make the target see another host
 /// than the client's (an app's Host-based "local only" check defeated). Any number of tokens.
+#[inline]
 pub(super) fn names_a_header(token: &[u8]) -> bool {
     !token.eq_ignore_ascii_case(b"close")
         && !token.eq_ignore_ascii_case(b"keep-alive")
@@ -79,6 +82,7 @@ pub(super) fn names_a_header(token: &[u8]) -> bool {
 }
 
 /// The comma-separated tokens of a header value, trimmed, empty ones left out.
+#[inline]
 pub(super) fn tokens(value: &[u8]) -> impl DoubleEndedIterator<Item = &[u8]> {
     value
         .split(|&byte| byte == b',')
@@ -100,6 +104,7 @@ pub(super) enum Status {
     Switch,
 }
 
+#[inline]
 pub(super) fn status(code: u16) -> Result<Status, BadResponse> {
     match code {
         100 => Ok(Status::Continue),
@@ -149,6 +154,7 @@ pub(super) fn response_codings<'a>(
 }
 
 /// A `Content-Length` value: digits, or a comma list of equal ones (RFC 9110 section 8.6).
+#[inline]
 pub(super) fn content_length(value: &[u8]) -> Option<u64> {
     let mut length = None;
     for part in value.split(|&byte| byte == b',') {
@@ -166,6 +172,7 @@ pub(super) fn content_length(value: &[u8]) -> Option<u64> {
 }
 
 /// Whether a response has a body on the wire (RFC 9112 section 6.3).
+#[inline]
 pub(super) fn has_body(request_is_head: bool, code: u16) -> bool {
     !request_is_head && code != 204 && code != 304
 }
@@ -173,6 +180,7 @@ pub(super) fn has_body(request_is_head: bool, code: u16) -> bool {
 /// Whether the client's response carries the target's `Content-Length` where there is no body:
 /// a HEAD's tells of the body the client did not get; a 204 has none to tell of (RFC 9110
 /// section 8.6), and a 304 goes without one (RFC 9110 lets it; hyper's server cannot write it).
+#[inline]
 pub(super) fn keeps_length(code: u16) -> bool {
     code != 204 && code != 304
 }
@@ -181,6 +189,7 @@ pub(super) fn keeps_length(code: u16) -> bool {
 /// where its framing said, the target did not ask to close, and it spoke HTTP/1.1 (an HTTP/1.0
 /// target's connection is not reused, even with `keep-alive`: hyper would speak HTTP/1.0 on it
 /// from then on).
+#[inline]
 pub(super) fn target_may_reuse(http11: bool, target_close: bool, close_delimited: bool) -> bool {
     http11 && !target_close && !close_delimited
 }
@@ -239,6 +248,7 @@ pub(super) fn write_interim<'a>(
 
 /// `date: ...` for a response without one (RFC 9110 section 6.6.1: an origin with a clock
 /// sends one; hyper adds it too), formatted at most once a second, as hyper does.
+#[inline]
 pub(super) fn push_date(out: &mut Vec<u8>) {
     thread_local! {
         static DATE: RefCell<(u64, String)> = const { RefCell::new((0, String::new())) };

@@ -196,6 +196,8 @@ pub(super) fn plan_response(
                 for token in tokens(header.value) {
                     if token.eq_ignore_ascii_case(b"close") {
                         target_close = true;
+                    } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                        // The usual token, and no header's name: nothing to look up.
                     } else if policy::names_a_header(token) {
                         named.push(token);
                     }
