@@ -12,12 +12,13 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use support::scripted::{After, Scripted};
 use support::{PATIENCE, Proxy};
 
 /// Differences the test accepts, with why: (case, reason).
@@ -197,76 +198,11 @@ fn script(path: &str) -> (String, After) {
         "/bad-head" => ("HTTP/1.1 200 OK\r\nbad header\r\n\r\n".into(), After::Close),
         "/dead" => (String::new(), After::Close),
         "/reset" => (String::new(), After::Reset),
-        "/slow" => (ok("content-length: 4\r\n\r\nslow"), After::Delay),
+        "/slow" => (
+            ok("content-length: 4\r\n\r\nslow"),
+            After::Delay(Duration::from_millis(1500)),
+        ),
         _ => (ok("content-length: 2\r\n\r\nok"), keep),
-    }
-}
-
-#[derive(Clone, Copy, PartialEq)]
-enum After {
-    KeepServing,
-    Close,
-    Reset,
-    /// Answers after 1.5 s, past the response timeout.
-    Delay,
-}
-
-/// A scripted target: answers each request head by its path, records every head it gets and
-/// counts its connections.
-struct Target {
-    addr: SocketAddr,
-    connections: Arc<AtomicUsize>,
-    heads: Arc<Mutex<Vec<String>>>,
-}
-
-impl Target {
-    fn start() -> Target {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let connections = Arc::new(AtomicUsize::new(0));
-        let heads = Arc::new(Mutex::new(Vec::new()));
-        let (counted, seen) = (connections.clone(), heads.clone());
-        thread::spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(stream) = stream else { return };
-                counted.fetch_add(1, Ordering::SeqCst);
-                let seen = seen.clone();
-                thread::spawn(move || serve(stream, &seen));
-            }
-        });
-        Target {
-            addr,
-            connections,
-            heads,
-        }
-    }
-}
-
-fn serve(mut stream: TcpStream, seen: &Mutex<Vec<String>>) {
-    loop {
-        let mut head = Vec::new();
-        let mut byte = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") {
-            match stream.read(&mut byte) {
-                Ok(1) => head.push(byte[0]),
-                _ => return,
-            }
-        }
-        let head = String::from_utf8_lossy(&head).into_owned();
-        let target = head.split(' ').nth(1).unwrap_or("").to_string();
-        let path = target.split('?').next().unwrap_or("").to_string();
-        seen.lock().unwrap().push(head);
-        let (answer, after) = script(&path);
-        if after == After::Delay {
-            thread::sleep(Duration::from_millis(1500));
-        }
-        if after == After::Reset {
-            let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
-            return;
-        }
-        if stream.write_all(answer.as_bytes()).is_err() || after != After::KeepServing {
-            return;
-        }
     }
 }
 
@@ -442,7 +378,7 @@ fn cases() -> Vec<Case> {
 
 /// Runs `case` through a proxy (started with `extra` arguments) towards a target of its own.
 fn observe(case: &Case, extra: &str) -> Observed {
-    let target = Target::start();
+    let target = Scripted::start(script);
     let proxy = Proxy::start(&[
         "--inbound",
         &format!("127.0.0.1:0={}/http", target.addr),
@@ -495,7 +431,7 @@ fn observe(case: &Case, extra: &str) -> Observed {
     Observed {
         answers,
         target_saw,
-        target_connections: target.connections.load(Ordering::SeqCst),
+        target_connections: target.accepted.load(Ordering::SeqCst),
     }
 }
 

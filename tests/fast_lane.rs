@@ -7,86 +7,26 @@
 mod support;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::Ordering;
 use std::thread;
 use std::time::Duration;
 
 use support::backend::{Backend, WireResponse, get, proxy_for, read_response, send_raw};
+use support::scripted::{After, Scripted};
 use support::*;
 
-/// A target that answers each request with the raw bytes its path names (see [`answer`]), and
-/// counts its connections.
-struct Scripted {
-    addr: SocketAddr,
-    /// Connections accepted so far.
-    accepted: Arc<AtomicUsize>,
-    /// Connections that ended (the peer closed them, or the script did).
-    ended: Arc<AtomicUsize>,
-    /// Every request head received, in order.
-    heads: Arc<Mutex<Vec<String>>>,
-}
-
-impl Scripted {
-    fn start() -> Scripted {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let ended = Arc::new(AtomicUsize::new(0));
-        let heads = Arc::new(Mutex::new(Vec::new()));
-        let (counted, finished, seen) = (accepted.clone(), ended.clone(), heads.clone());
-        thread::spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(stream) = stream else { return };
-                counted.fetch_add(1, Ordering::SeqCst);
-                let (finished, seen) = (finished.clone(), seen.clone());
-                thread::spawn(move || {
-                    serve(stream, &seen);
-                    finished.fetch_add(1, Ordering::SeqCst);
-                });
-            }
-        });
-        Scripted {
-            addr,
-            accepted,
-            ended,
-            heads,
-        }
-    }
-}
-
-fn serve(mut stream: TcpStream, seen: &Mutex<Vec<String>>) {
-    loop {
-        let mut head = Vec::new();
-        let mut byte = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") {
-            match stream.read(&mut byte) {
-                Ok(1) => head.push(byte[0]),
-                _ => return,
-            }
-        }
-        let head = String::from_utf8_lossy(&head).into_owned();
-        let path = head.split(' ').nth(1).unwrap_or("").to_string();
-        seen.lock().unwrap().push(head);
-        if path == "/hang" {
-            // Never answers; waits for the proxy to let go.
-            let _ = stream.read(&mut byte);
-            return;
-        }
-        if stream.write_all(answer(&path).as_bytes()).is_err() {
-            return;
-        }
-        if matches!(
-            path.as_str(),
-            "/close-delimited" | "/bad-chunk" | "/cut-length"
-        ) {
-            return;
-        }
-    }
-}
-
 const DATE: &str = "date: Thu, 01 Jan 2026 00:00:00 GMT\r\n";
+
+/// The raw answer to each path, and what the target does after it.
+fn script(path: &str) -> (String, After) {
+    let after = match path {
+        "/hang" => After::Hang,
+        "/close-delimited" | "/bad-chunk" | "/cut-length" => After::Close,
+        _ => After::KeepServing,
+    };
+    (answer(path), after)
+}
 
 fn answer(path: &str) -> String {
     let ok = |rest: &str| format!("HTTP/1.1 200 OK\r\n{DATE}{rest}");
@@ -147,7 +87,7 @@ fn read_head(client: &mut TcpStream) -> String {
 
 #[test]
 fn every_response_framing_reaches_the_client_whole_on_a_connection_that_serves_on() {
-    let target = Scripted::start();
+    let target = Scripted::start(script);
     let proxy = proxy_to(target.addr);
     let mut client = TcpStream::connect(proxy.inbound[0]).unwrap();
     client.set_read_timeout(Some(PATIENCE)).unwrap();
@@ -250,7 +190,7 @@ fn every_response_framing_reaches_the_client_whole_on_a_connection_that_serves_o
 
 #[test]
 fn bad_responses_get_a_502_or_a_cut_connection_never_a_body_that_looks_complete() {
-    let target = Scripted::start();
+    let target = Scripted::start(script);
     let mut proxy = proxy_to(target.addr);
     for path in ["/two-lengths", "/switch"] {
         let mut client = send_raw(proxy.inbound[0], &get(path));
@@ -299,7 +239,7 @@ fn requests_the_lane_does_not_take_are_served_by_hyper_in_between() {
 
 #[test]
 fn a_head_split_across_writes_is_served() {
-    let target = Scripted::start();
+    let target = Scripted::start(script);
     let proxy = proxy_to(target.addr);
     let mut client = send_raw(proxy.inbound[0], b"GET /length HTTP/1.1\r\nHo");
     for pause in [Duration::from_millis(1), Duration::from_millis(50)] {
@@ -312,7 +252,7 @@ fn a_head_split_across_writes_is_served() {
 
 #[test]
 fn a_client_that_gives_up_cancels_its_request() {
-    let target = Scripted::start();
+    let target = Scripted::start(script);
     let mut proxy = proxy_to(target.addr);
     let client = send_raw(proxy.inbound[0], &get("/hang"));
     wait_until("the target has the request", PATIENCE, || {
@@ -334,7 +274,7 @@ fn a_client_that_gives_up_cancels_its_request() {
 /// no number (even on a 304) are 502s; a 204 goes out without a length (RFC 9110 8.6).
 #[test]
 fn both_engines_frame_responses_alike_and_refuse_what_is_no_response() {
-    let target = Scripted::start();
+    let target = Scripted::start(script);
     let proxy = proxy_to(target.addr);
     for (engine, extra) in [("fast lane", ""), ("hyper", "content-length: 0\r\n")] {
         let mut client = TcpStream::connect(proxy.inbound[0]).unwrap();
@@ -392,7 +332,7 @@ fn both_engines_frame_responses_alike_and_refuse_what_is_no_response() {
 /// `lameduck_http1_fast_lane_requests_total` tells an operator which engine served what.
 #[test]
 fn the_fast_lane_can_be_turned_off_and_the_metric_tells_which_engine_served() {
-    let target = Scripted::start();
+    let target = Scripted::start(script);
     for (flag, through_lane) in [
         ("--http1-fast-lane=true", 3.0),
         ("--http1-fast-lane=false", 0.0),

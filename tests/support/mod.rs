@@ -10,6 +10,7 @@ pub mod h2raw;
 pub mod kubectl;
 pub mod netns;
 pub mod process;
+pub mod scripted;
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};

@@ -50,6 +50,26 @@ const MAX_RESPONSE_HEAD: usize = 8192 + 4096 * 100;
 /// The read buffers' size to start with (hyper's too).
 const BUFFER: usize = 8192;
 
+/// Room after the unused bytes `buf[*start..*end]`: they move to the front when they reach the
+/// buffer's end, and the buffer grows up to `limit` when they fill it; false when it is full at
+/// `limit`.
+fn room_after(buf: &mut Vec<u8>, start: &mut usize, end: &mut usize, limit: usize) -> bool {
+    if *start == *end {
+        (*start, *end) = (0, 0);
+    } else if *end == buf.len() && *start > 0 {
+        buf.copy_within(*start..*end, 0);
+        (*start, *end) = (0, *end - *start);
+    }
+    if *end == buf.len() {
+        if buf.len() >= limit {
+            return false;
+        }
+        let grown = (buf.len() * 2).min(limit);
+        buf.resize(grown, 0);
+    }
+    true
+}
+
 /// How the lane left the connection.
 pub(super) enum Lane {
     /// Finished with: closed, cut or reset.
@@ -375,39 +395,19 @@ impl<'a> FastLane<'a> {
             .fetch_add(read as u64, Ordering::Relaxed);
     }
 
-    /// Room after the pending bytes: they move to the front, and the buffer grows up to
-    /// `limit` when they fill it.
+    /// Room after the client's pending bytes (see [`room_after`]).
     fn make_room(&mut self, limit: usize) -> bool {
-        if self.start == self.end {
-            (self.start, self.end) = (0, 0);
-        } else if self.end == self.buf.inbuf.len() && self.start > 0 {
-            self.buf.inbuf.copy_within(self.start..self.end, 0);
-            (self.start, self.end) = (0, self.end - self.start);
-        }
-        if self.end == self.buf.inbuf.len() {
-            if self.buf.inbuf.len() >= limit {
-                return false;
-            }
-            let grown = (self.buf.inbuf.len() * 2).min(limit);
-            self.buf.inbuf.resize(grown, 0);
-        }
-        true
+        room_after(&mut self.buf.inbuf, &mut self.start, &mut self.end, limit)
     }
 
-    /// Room after the target's unused bytes, as [`FastLane::make_room`] for the client's.
+    /// Room after the target's unused bytes (see [`room_after`]).
     fn make_target_room(&mut self, limit: usize) -> bool {
-        if self.up_start > 0 {
-            self.buf.upbuf.copy_within(self.up_start..self.up_end, 0);
-            (self.up_start, self.up_end) = (0, self.up_end - self.up_start);
-        }
-        if self.up_end == self.buf.upbuf.len() {
-            if self.buf.upbuf.len() >= limit {
-                return false;
-            }
-            let grown = (self.buf.upbuf.len() * 2).min(limit);
-            self.buf.upbuf.resize(grown, 0);
-        }
-        true
+        room_after(
+            &mut self.buf.upbuf,
+            &mut self.up_start,
+            &mut self.up_end,
+            limit,
+        )
     }
 
     /// Reads more of the client's bytes, until `deadline`.

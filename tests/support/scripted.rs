@@ -1,0 +1,97 @@
+//! A raw HTTP/1 target for framing tests: it answers each request head with the bytes its
+//! script returns for the path (the part before any `?`), then does what the script says
+//! (serve on, close, reset, hang), and records every head and connection.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::Duration;
+
+/// What the target does once it has written its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum After {
+    KeepServing,
+    Close,
+    /// Closes with an RST, without writing the answer.
+    Reset,
+    /// Writes the answer after this long, then closes.
+    Delay(Duration),
+    /// Never answers; waits for the proxy to let go.
+    Hang,
+}
+
+/// The script: the raw answer to a path, and what comes after it.
+pub type Script = fn(&str) -> (String, After);
+
+pub struct Scripted {
+    pub addr: SocketAddr,
+    /// Connections accepted so far.
+    pub accepted: Arc<AtomicUsize>,
+    /// Connections that ended (the peer closed them, or the script did).
+    pub ended: Arc<AtomicUsize>,
+    /// Every request head received, in order.
+    pub heads: Arc<Mutex<Vec<String>>>,
+}
+
+impl Scripted {
+    pub fn start(script: Script) -> Scripted {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let ended = Arc::new(AtomicUsize::new(0));
+        let heads = Arc::new(Mutex::new(Vec::new()));
+        let (counted, finished, seen) = (accepted.clone(), ended.clone(), heads.clone());
+        thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { return };
+                counted.fetch_add(1, Ordering::SeqCst);
+                let (finished, seen) = (finished.clone(), seen.clone());
+                thread::spawn(move || {
+                    serve(stream, script, &seen);
+                    finished.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+        });
+        Scripted {
+            addr,
+            accepted,
+            ended,
+            heads,
+        }
+    }
+}
+
+fn serve(mut stream: TcpStream, script: Script, seen: &Mutex<Vec<String>>) {
+    loop {
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match stream.read(&mut byte) {
+                Ok(1) => head.push(byte[0]),
+                _ => return,
+            }
+        }
+        let head = String::from_utf8_lossy(&head).into_owned();
+        let target = head.split(' ').nth(1).unwrap_or("").to_string();
+        let path = target.split('?').next().unwrap_or("").to_string();
+        seen.lock().unwrap().push(head);
+        let (answer, after) = script(&path);
+        match after {
+            After::Hang => {
+                let _ = stream.read(&mut byte);
+                return;
+            }
+            After::Reset => {
+                let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
+                return;
+            }
+            After::Delay(delay) => thread::sleep(delay),
+            After::KeepServing | After::Close => {}
+        }
+        if stream.write_all(answer.as_bytes()).is_err() || after != After::KeepServing {
+            return;
+        }
+    }
+}
