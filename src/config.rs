@@ -158,6 +158,16 @@ pub struct ProxyArgs {
     #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub http1_fast_lane: Option<String>,
 
+    /// Send outbound requests that got no answer again (docs/http.md, "Retries"), within the
+    /// retry budget [env: LAMEDUCK_HTTP_RETRIES=true|false] [default: true]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub http_retries: Option<String>,
+
+    /// How many retries outbound requests may take: a share of the requests of the last 10
+    /// seconds plus a floor per second [env: LAMEDUCK_HTTP_RETRY_BUDGET] [default: 20%+10/s]
+    #[arg(long, value_name = "PERCENT%+N/s")]
+    pub http_retry_budget: Option<String>,
+
     /// How long the target may take to start its response before the client gets 504; 0s
     /// for no limit [env: LAMEDUCK_HTTP_RESPONSE_TIMEOUT] [default: 0s]
     #[arg(long, value_name = "DURATION")]
@@ -405,6 +415,31 @@ pub struct HttpConfig {
     pub body_timeout: Option<Duration>,
     /// Bodiless HTTP/1.1 requests go through the fast lane (docs/http.md); off, through hyper.
     pub fast_lane: bool,
+    /// Outbound requests that got no answer are sent again within this budget; `None`: never.
+    pub retry_budget: Option<RetryBudget>,
+}
+
+/// How many retries outbound requests may take (Linkerd's rule): `percent` of the requests of
+/// the last [`RETRY_BUDGET_WINDOW`], plus `per_second`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryBudget {
+    pub percent: u32,
+    pub per_second: u32,
+}
+
+/// Linkerd's default budget: 20 % of recent requests plus 10 a second.
+pub const DEFAULT_RETRY_BUDGET: RetryBudget = RetryBudget {
+    percent: 20,
+    per_second: 10,
+};
+
+/// The window the budget's share counts requests over.
+pub const RETRY_BUDGET_WINDOW: Duration = Duration::from_secs(10);
+
+impl std::fmt::Display for RetryBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}%+{}/s", self.percent, self.per_second)
+    }
 }
 
 /// Bounds of opaque TCP streams and tunnels.
@@ -434,6 +469,7 @@ impl Default for HttpConfig {
             max_header_size: DEFAULT_MAX_HEADER_SIZE,
             h2_max_concurrent_streams: DEFAULT_H2_MAX_CONCURRENT_STREAMS,
             fast_lane: true,
+            retry_budget: Some(DEFAULT_RETRY_BUDGET),
             response_timeout: None,
             h2_idle_timeout: Some(DEFAULT_H2_IDLE_TIMEOUT),
             body_timeout: Some(DEFAULT_BODY_TIMEOUT),
@@ -559,6 +595,16 @@ const FAST_LANE: Setting = Setting {
     flag: "--http1-fast-lane",
     var: "LAMEDUCK_HTTP1_FAST_LANE",
     example: "true or false",
+};
+const RETRIES: Setting = Setting {
+    flag: "--http-retries",
+    var: "LAMEDUCK_HTTP_RETRIES",
+    example: "true or false",
+};
+const RETRY_BUDGET: Setting = Setting {
+    flag: "--http-retry-budget",
+    var: "LAMEDUCK_HTTP_RETRY_BUDGET",
+    example: "20%+10/s",
 };
 const RESPONSE_TIMEOUT: Setting = Setting {
     flag: "--http-response-timeout",
@@ -827,6 +873,14 @@ impl Config {
         };
         if let Some(raw) = lookup(&FAST_LANE, args.http1_fast_lane)? {
             http.fast_lane = parse_bool(&raw, FAST_LANE.example)?;
+        }
+        if let Some(raw) = lookup(&RETRY_BUDGET, args.http_retry_budget)? {
+            http.retry_budget = Some(parse_retry_budget(&raw)?);
+        }
+        if let Some(raw) = lookup(&RETRIES, args.http_retries)?
+            && !parse_bool(&raw, RETRIES.example)?
+        {
+            http.retry_budget = None;
         }
         if let Some(raw) = lookup(&MAX_HEADER_SIZE, args.http_max_header_size)? {
             http.max_header_size = parse_size(&raw, MAX_HEADER_SIZE.example)?;
@@ -1117,6 +1171,26 @@ pub(crate) fn parse_socket_path(raw: &Raw, example: &'static str) -> Result<Path
         ));
     }
     Ok(PathBuf::from(value))
+}
+
+/// `PERCENT%+N/s`: a share of recent requests (0 to 100 %) and a floor per second.
+fn parse_retry_budget(raw: &Raw) -> Result<RetryBudget, ConfigError> {
+    let bad = || raw.error("expected PERCENT%+N/s", RETRY_BUDGET.example);
+    let value = raw.value.trim();
+    let (percent, per_second) = value.split_once("%+").ok_or_else(bad)?;
+    let per_second = per_second.strip_suffix("/s").ok_or_else(bad)?;
+    let percent: u32 = percent.trim().parse().map_err(|_| bad())?;
+    let per_second: u32 = per_second.trim().parse().map_err(|_| bad())?;
+    if percent > 100 || per_second > 1_000_000 {
+        return Err(raw.error(
+            "the share must be 0 to 100 % and the floor at most 1000000/s",
+            RETRY_BUDGET.example,
+        ));
+    }
+    Ok(RetryBudget {
+        percent,
+        per_second,
+    })
 }
 
 pub(crate) fn parse_bool(raw: &Raw, example: &'static str) -> Result<bool, ConfigError> {

@@ -96,6 +96,8 @@ pub struct Metrics {
     lame_ducks: Family<[(&'static str, &'static str); 1], Counter>,
     /// HTTP/1 requests the fast lane forwarded (the rest of `requests` went through hyper).
     fast_lane_requests: Counter,
+    /// Outbound requests sent again, or not for want of budget: by direction, reason, outcome.
+    retries: Family<[(&'static str, &'static str); 3], Counter>,
 }
 
 impl Metrics {
@@ -201,8 +203,15 @@ impl Metrics {
             "HTTP/1 requests forwarded by the fast lane; the others went through hyper (--http1-fast-lane)",
             fast_lane_requests.clone(),
         );
+        let retries = Family::<[(&'static str, &'static str); 3], Counter>::default();
+        registry.register(
+            "http_retries",
+            "Outbound HTTP requests that got no answer and were sent again (outcome=retried) or not, the retry budget being spent (outcome=budget_exhausted), by why: not_connected (the connect failed), not_sent (the target refused the stream, or the request never left), may_have_reached (the connection closed before a response; idempotent requests without a body only)",
+            retries.clone(),
+        );
         registry.register_collector(Box::new(StateCollector { conns, drain }));
         Metrics {
+            retries,
             fast_lane_requests,
             lame_duck_seconds,
             lame_ducks,
@@ -284,6 +293,17 @@ impl Metrics {
     /// The fast lane took an HTTP/1 request.
     pub fn fast_lane_request(&self) {
         self.fast_lane_requests.inc();
+    }
+
+    /// An unanswered request was sent again (`retried`) or not (`budget_exhausted`).
+    pub fn retry(&self, direction: Direction, reason: &'static str, outcome: &'static str) {
+        self.retries
+            .get_or_create(&[
+                ("direction", direction.as_str()),
+                ("reason", reason),
+                ("outcome", outcome),
+            ])
+            .inc();
     }
 
     /// A lame duck ended after `lasted`, for the reason `why` (`quiet`, `max`, `period`).

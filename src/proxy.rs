@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
-use crate::config::{Cidr, HttpConfig, Route, Target, TcpConfig};
+use crate::config::{Cidr, Direction, HttpConfig, RetryBudget, Route, Target, TcpConfig};
 use crate::conns::Connections;
 use crate::drain::Drain;
 use crate::logging::Throttle;
@@ -48,6 +48,7 @@ enum Upstreams {
         connect_timeout: Duration,
         metrics: Arc<Metrics>,
         own_ports: Arc<OwnPorts>,
+        retry_budget: Option<RetryBudget>,
     },
 }
 
@@ -63,12 +64,18 @@ impl ProxyRoute {
         proxy: &ProxyContext,
     ) -> ProxyRoute {
         let metrics = proxy.metrics.clone();
+        // Retries go to another pod only outbound (docs/http.md, "Retries").
+        let retry_budget = proxy
+            .http
+            .retry_budget
+            .filter(|_| route.direction == Direction::Outbound);
         let upstreams = match &route.target {
             Target::OrigDst => Upstreams::PerDestination {
                 made: Mutex::new(HashMap::new()),
                 connect_timeout,
                 metrics,
                 own_ports: proxy.own_ports.clone(),
+                retry_budget,
             },
             target => Upstreams::Fixed(Arc::new(Upstream::new(
                 target.clone(),
@@ -76,6 +83,7 @@ impl ProxyRoute {
                 connect_timeout,
                 metrics,
                 None,
+                retry_budget,
             ))),
         };
         ProxyRoute {
@@ -96,6 +104,7 @@ impl ProxyRoute {
                     connect_timeout,
                     metrics,
                     own_ports,
+                    retry_budget,
                 },
                 Some(destination),
             ) => {
@@ -111,6 +120,7 @@ impl ProxyRoute {
                             *connect_timeout,
                             metrics.clone(),
                             Some(own_ports.clone()),
+                            *retry_budget,
                         ))
                     })
                     .clone()

@@ -15,6 +15,7 @@ mod header_block;
 mod headers;
 mod io;
 mod policy;
+mod retry;
 mod server;
 mod service;
 

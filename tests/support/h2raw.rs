@@ -66,6 +66,20 @@ impl H2 {
         h2
     }
 
+    /// The server's side of an accepted connection: reads the client's preface and sends
+    /// empty SETTINGS.
+    pub fn accepted(stream: TcpStream) -> io::Result<H2> {
+        stream.set_read_timeout(Some(super::PATIENCE))?;
+        let mut h2 = H2 { stream };
+        let mut preface = [0u8; 24];
+        h2.stream.read_exact(&mut preface)?;
+        if preface != PREFACE {
+            return Err(io::ErrorKind::InvalidData.into());
+        }
+        h2.try_send(SETTINGS, 0, 0, &[])?;
+        Ok(h2)
+    }
+
     pub fn send(&mut self, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
         self.try_send(kind, flags, stream, payload).unwrap();
     }

@@ -1,6 +1,7 @@
-//! A raw HTTP/1 target for framing tests: it answers each request head with the bytes its
-//! script returns for the path (the part before any `?`), then does what the script says
-//! (serve on, close, reset, hang), and records every head and connection.
+//! A raw HTTP/1 target for framing tests: it answers each request with the bytes its script
+//! returns for the path (the part before any `?`) and the connection's number, then does what
+//! the script says (serve on, close, reset, hang), and records every head and connection. A
+//! request's body (by `Content-Length`) is read before the answer.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -22,8 +23,9 @@ pub enum After {
     Hang,
 }
 
-/// The script: the raw answer to a path, and what comes after it.
-pub type Script = fn(&str) -> (String, After);
+/// The script: the raw answer to a path on the connection of that number (from 0), and what
+/// comes after it.
+pub type Script = Arc<dyn Fn(&str, usize) -> (String, After) + Send + Sync>;
 
 pub struct Scripted {
     pub addr: SocketAddr,
@@ -36,7 +38,12 @@ pub struct Scripted {
 }
 
 impl Scripted {
-    pub fn start(script: Script) -> Scripted {
+    /// A target whose answers depend on the path alone.
+    pub fn start(script: fn(&str) -> (String, After)) -> Scripted {
+        Scripted::start_by_connection(Arc::new(move |path, _| script(path)))
+    }
+
+    pub fn start_by_connection(script: Script) -> Scripted {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let accepted = Arc::new(AtomicUsize::new(0));
@@ -46,10 +53,10 @@ impl Scripted {
         thread::spawn(move || {
             for stream in listener.incoming() {
                 let Ok(stream) = stream else { return };
-                counted.fetch_add(1, Ordering::SeqCst);
-                let (finished, seen) = (finished.clone(), seen.clone());
+                let number = counted.fetch_add(1, Ordering::SeqCst);
+                let (finished, seen, script) = (finished.clone(), seen.clone(), script.clone());
                 thread::spawn(move || {
-                    serve(stream, script, &seen);
+                    serve(stream, number, &*script, &seen);
                     finished.fetch_add(1, Ordering::SeqCst);
                 });
             }
@@ -63,7 +70,12 @@ impl Scripted {
     }
 }
 
-fn serve(mut stream: TcpStream, script: Script, seen: &Mutex<Vec<String>>) {
+fn serve(
+    mut stream: TcpStream,
+    number: usize,
+    script: &(dyn Fn(&str, usize) -> (String, After) + Send + Sync),
+    seen: &Mutex<Vec<String>>,
+) {
     loop {
         let mut head = Vec::new();
         let mut byte = [0u8; 1];
@@ -76,8 +88,20 @@ fn serve(mut stream: TcpStream, script: Script, seen: &Mutex<Vec<String>>) {
         let head = String::from_utf8_lossy(&head).into_owned();
         let target = head.split(' ').nth(1).unwrap_or("").to_string();
         let path = target.split('?').next().unwrap_or("").to_string();
+        let length: usize = head
+            .lines()
+            .find_map(|line| {
+                let (name, value) = line.split_once(':')?;
+                name.eq_ignore_ascii_case("content-length")
+                    .then(|| value.trim().parse().ok())?
+            })
+            .unwrap_or(0);
+        let mut body = vec![0u8; length];
+        if stream.read_exact(&mut body).is_err() {
+            return;
+        }
         seen.lock().unwrap().push(head);
-        let (answer, after) = script(&path);
+        let (answer, after) = script(&path, number);
         match after {
             After::Hang => {
                 let _ = stream.read(&mut byte);

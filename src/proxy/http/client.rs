@@ -25,7 +25,8 @@ use tokio::net::TcpStream;
 use tracing::debug;
 
 use super::body::Payload;
-use crate::config::{Direction, Target};
+use super::retry::Retries;
+use crate::config::{Direction, RetryBudget, Target};
 use crate::metrics::Metrics;
 use crate::net::{self, OwnPort, OwnPorts};
 use crate::sync::lock;
@@ -45,6 +46,8 @@ pub struct Upstream {
     pub name: String,
     pub http1: Arc<Http1Pool>,
     pub http2: Arc<Http2Conn>,
+    /// Outbound: requests that got no answer go again within this budget (`retry.rs`).
+    pub retries: Option<Retries>,
 }
 
 impl Upstream {
@@ -54,8 +57,10 @@ impl Upstream {
         connect_timeout: Duration,
         metrics: Arc<Metrics>,
         own_ports: Option<Arc<OwnPorts>>,
+        retry_budget: Option<RetryBudget>,
     ) -> Upstream {
         let name = target.to_string();
+        let retries = retry_budget.map(|budget| Retries::new(budget, direction, metrics.clone()));
         let connector = Connector {
             own_ports,
             target: Arc::new(target),
@@ -76,7 +81,12 @@ impl Upstream {
             plain: Mutex::new(Vec::new()),
             sweeping: AtomicBool::new(false),
         });
-        Upstream { name, http1, http2 }
+        Upstream {
+            name,
+            http1,
+            http2,
+            retries,
+        }
     }
 }
 
@@ -108,8 +118,20 @@ impl Connector {
     }
 }
 
+impl std::fmt::Debug for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SendError::Connect(error) | SendError::NotConnected(error, _) => {
+                f.debug_tuple("Connect").field(error).finish()
+            }
+            SendError::Http(error) | SendError::Fresh(error) | SendError::Unsent(error, _) => {
+                f.debug_tuple("Http").field(error).finish()
+            }
+        }
+    }
+}
+
 /// Why a request could not be sent to the target, or got no response.
-#[derive(Debug)]
 pub enum SendError {
     /// No connection to the target (refused, unresolvable, or not within the connect timeout).
     Connect(io::Error),
@@ -118,6 +140,10 @@ pub enum SendError {
     /// The same, on an HTTP/1 connection dialled for this request: the target's answer, never
     /// the keep-alive race (the policy replays only that).
     Fresh(hyper::Error),
+    /// No connection for this request, which is handed back whole (a retry may send it).
+    NotConnected(io::Error, Box<Request<Payload>>),
+    /// The connection failed before the request was written, which is handed back whole.
+    Unsent(hyper::Error, Box<Request<Payload>>),
 }
 
 /// Idle HTTP/1.1 keep-alive connections to a route's target, the most recently used on top.
@@ -193,12 +219,18 @@ impl Http1Pool {
                     Some(sender) => (sender, true),
                     // Boxed: dialling is rare, and its future (connect, handshake) would
                     // otherwise make every request's future larger by its size.
-                    None => (Box::pin(self.dial()).await?, false),
+                    None => match Box::pin(self.dial()).await {
+                        Ok(sender) => (sender, false),
+                        Err(SendError::Connect(error)) => {
+                            return Err(SendError::NotConnected(error, Box::new(request)));
+                        }
+                        Err(other) => return Err(other),
+                    },
                 };
                 if let Err(error) = sender.ready().await {
                     match reused {
                         true => continue,
-                        false => return Err(SendError::Fresh(error)),
+                        false => return Err(SendError::Unsent(error, Box::new(request))),
                     }
                 }
                 match sender.try_send_request(request).await {
@@ -212,8 +244,11 @@ impl Http1Pool {
                     }
                     Err(mut error) => match error.take_message() {
                         Some(unsent) if reused => request = unsent,
-                        _ if reused => return Err(SendError::Http(error.into_error())),
-                        _ => return Err(SendError::Fresh(error.into_error())),
+                        Some(unsent) => {
+                            return Err(SendError::Unsent(error.into_error(), Box::new(unsent)));
+                        }
+                        None if reused => return Err(SendError::Http(error.into_error())),
+                        None => return Err(SendError::Fresh(error.into_error())),
                     },
                 }
             }
@@ -400,7 +435,13 @@ impl Http2Conn {
             loop {
                 let Some(sent) = self.try_send(&mut request) else {
                     // Boxed, as in `Http1Pool::send`.
-                    Box::pin(self.dial()).await?;
+                    match (Box::pin(self.dial()).await, request.take()) {
+                        (Ok(()), unsent) => request = unsent,
+                        (Err(SendError::Connect(error)), Some(unsent)) => {
+                            return Err(SendError::NotConnected(error, Box::new(unsent)));
+                        }
+                        (Err(error), _) => return Err(error),
+                    }
                     fresh = true;
                     continue;
                 };
@@ -411,7 +452,10 @@ impl Http2Conn {
                             fresh = true;
                             request = Some(unsent);
                         }
-                        _ => return Err(SendError::Http(error.into_error())),
+                        Some(unsent) => {
+                            return Err(SendError::Unsent(error.into_error(), Box::new(unsent)));
+                        }
+                        None => return Err(SendError::Http(error.into_error())),
                     },
                 }
             }
@@ -470,9 +514,10 @@ impl Http2Conn {
         self.dials.fetch_add(1, Ordering::Release);
         *failed = dialled.as_ref().err().map(|error| match error {
             SendError::Connect(error) => (error.kind(), error.to_string()),
-            SendError::Http(error) | SendError::Fresh(error) => {
+            SendError::Http(error) | SendError::Fresh(error) | SendError::Unsent(error, _) => {
                 (io::ErrorKind::Other, error.to_string())
             }
+            SendError::NotConnected(error, _) => (error.kind(), error.to_string()),
         });
         let sender = dialled?;
         *self.current() = Some(SharedConn {
@@ -531,6 +576,7 @@ mod tests {
             Direction::Inbound,
             Duration::from_secs(5),
             Arc::new(metrics),
+            None,
             None,
         )
     }

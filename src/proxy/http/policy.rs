@@ -212,6 +212,50 @@ pub(super) fn may_replay(method: &[u8], has_body: bool, reused: bool) -> bool {
     reused && idempotent && !has_body
 }
 
+/// Why a request got no response, as far as sending it again goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Unanswered {
+    /// No connection: refused, reset or timed out in the connect. It never reached the app.
+    NotConnected,
+    /// Never sent, or refused unprocessed: HTTP/2 `REFUSED_STREAM`, a stream above a GOAWAY's
+    /// last stream id, an HTTP/1 request that hyper handed back unwritten.
+    NotSent,
+    /// The connection closed or failed before any byte of a response, after the request (or
+    /// part of it) went out: the app may have seen it.
+    MayHaveReached,
+}
+
+impl Unanswered {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Unanswered::NotConnected => "not_connected",
+            Unanswered::NotSent => "not_sent",
+            Unanswered::MayHaveReached => "may_have_reached",
+        }
+    }
+}
+
+/// How many times one request is sent again at most, beyond the keep-alive race: the retry
+/// budget bounds retries overall, this one request's share of them.
+pub(super) const MAX_RETRIES: u32 = 3;
+
+/// Whether an outbound request that got no answer may be sent again (when the retry budget
+/// allows, and within its deadline): one that never reached the app whatever its method, its
+/// body only if none of it was sent (`body_whole`); one that may have reached it only when it is
+/// idempotent and has no body (RFC 9110 section 9.2.2). Inbound requests are never retried
+/// beyond the keep-alive race ([`may_replay`]): the app behind them is this pod's own.
+pub(crate) fn may_retry(
+    unanswered: Unanswered,
+    method: &[u8],
+    has_body: bool,
+    body_whole: bool,
+) -> bool {
+    match unanswered {
+        Unanswered::NotConnected | Unanswered::NotSent => !has_body || body_whole,
+        Unanswered::MayHaveReached => may_replay(method, has_body, true),
+    }
+}
+
 /// An interim (`1xx`) response head for the client: the status with its usual reason, the
 /// headers that are not hop-by-hop (nor named by its `Connection`).
 pub(super) fn write_interim<'a>(
@@ -432,6 +476,27 @@ mod tests {
         assert!(!may_replay(b"GET", false, false), "a fresh connection");
         assert!(!may_replay(b"GET", true, true), "a body");
         assert!(!may_replay(b"POST", false, true), "not idempotent");
+    }
+
+    #[test]
+    fn only_requests_that_never_reached_the_app_are_retried_whatever_their_method() {
+        use Unanswered::*;
+        assert!(
+            may_retry(NotConnected, b"POST", true, true),
+            "a body not sent"
+        );
+        assert!(may_retry(NotSent, b"POST", false, false));
+        assert!(
+            !may_retry(NotSent, b"POST", true, false),
+            "a body partly sent"
+        );
+        assert!(may_retry(MayHaveReached, b"GET", false, true));
+        assert!(
+            !may_retry(MayHaveReached, b"POST", true, true),
+            "a POST that may have reached the app"
+        );
+        assert!(!may_retry(MayHaveReached, b"PATCH", false, true));
+        assert!(!may_retry(MayHaveReached, b"PUT", true, true), "a body");
     }
 
     #[test]

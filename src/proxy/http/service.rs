@@ -37,7 +37,7 @@ use super::headers::{
     wants_upgrade,
 };
 use super::io::ServerIo;
-use super::policy::{self, BadResponse, Synthetic};
+use super::policy::{self, BadResponse, Synthetic, Unanswered};
 use crate::conns::{ConnProtocol, Connection};
 use crate::metrics::Timeout;
 use crate::proxy::tcp;
@@ -223,9 +223,10 @@ fn forward(
     }
 }
 
-/// Sends a request; a bodiless idempotent request whose pooled connection the target closed
+/// Sends a request. A bodiless idempotent request whose pooled connection the target closed
 /// before answering (the keep-alive race) is sent once more, on another connection, as RFC 9110
-/// section 9.2.2 allows. Anything else is never replayed.
+/// section 9.2.2 allows. Outbound, a request that got no answer goes again as the policy and
+/// the retry budget allow (`retry.rs`). Anything else is never sent twice.
 #[allow(clippy::manual_async_fn)]
 fn send(
     upstream: &Upstream,
@@ -233,9 +234,14 @@ fn send(
     request: Request<Payload>,
 ) -> impl Future<Output = Result<(Response<Incoming>, Option<Lease>), Failure>> + '_ {
     async move {
-        // The headers as a list, not a second map: a map's clone also copies its hash index,
-        // and the copy is almost never used.
-        let replay = replayable(&request).then(|| {
+        let retries = upstream.retries.as_ref();
+        if let Some(retries) = retries {
+            retries.deposit();
+        }
+        let has_body = !request.body().is_end_stream();
+        // A bodiless request's parts, to send it again; the headers as a list, not a second
+        // map: a map's clone also copies its hash index, and the copy is almost never used.
+        let parts = (!has_body && (retries.is_some() || replayable(&request))).then(|| {
             let headers: Vec<(HeaderName, HeaderValue)> = request
                 .headers()
                 .iter()
@@ -248,21 +254,47 @@ fn send(
                 headers,
             )
         });
-        let failure = match send_once(upstream, version, request).await {
-            Err(failure) if failure.kind == FailureKind::ClosedBeforeResponse => failure,
-            first => return first,
-        };
-        match replay {
-            Some((method, uri, version_of_request, headers)) => {
-                let mut again = Request::new(Payload::Bytes(None));
-                *again.method_mut() = method;
-                *again.uri_mut() = uri;
-                *again.version_mut() = version_of_request;
-                again.headers_mut().extend(headers);
+        let method = request.method().clone();
+        let mut next = Some(request);
+        let mut replayed = false;
+        let mut retried = 0;
+        loop {
+            let request = match (next.take(), &parts) {
+                (Some(request), _) => request,
+                (None, Some((method, uri, version_of_request, headers))) => {
+                    let mut again = Request::new(Payload::Bytes(None));
+                    *again.method_mut() = method.clone();
+                    *again.uri_mut() = uri.clone();
+                    *again.version_mut() = *version_of_request;
+                    again.headers_mut().extend(headers.iter().cloned());
+                    again
+                }
+                (None, None) => unreachable!("a request is sent again only whole or rebuilt"),
+            };
+            let mut failure = match send_once(upstream, version, request).await {
+                Err(failure) => failure,
+                sent => return sent,
+            };
+            let unsent = failure.unsent.take().map(|request| *request);
+            if failure.kind == FailureKind::ClosedBeforeResponse && !replayed && parts.is_some() {
                 debug!(error = %failure.error, "the target closed a pooled connection before answering; retrying once");
-                send_once(upstream, version, again).await
+                replayed = true;
+                next = unsent;
+                continue;
             }
-            None => Err(failure),
+            let (Some(retries), Some(unanswered)) = (retries, failure.unanswered) else {
+                return Err(failure);
+            };
+            let body_whole = unsent.is_some();
+            let allowed = retried < policy::MAX_RETRIES
+                && (unsent.is_some() || parts.is_some())
+                && policy::may_retry(unanswered, method.as_str().as_bytes(), has_body, body_whole);
+            if !allowed || !retries.withdraw(unanswered, &upstream.name) {
+                return Err(failure);
+            }
+            debug!(error = %failure.error, reason = unanswered.as_str(), "no answer; sending the request again");
+            retried += 1;
+            next = unsent;
         }
     }
 }
@@ -291,15 +323,15 @@ fn send_once<'a>(
 impl From<SendError> for Failure {
     fn from(error: SendError) -> Failure {
         match error {
-            SendError::Connect(error) => Failure {
-                kind: match error.kind() {
-                    io::ErrorKind::TimedOut => FailureKind::ConnectTimeout,
-                    _ => FailureKind::Connect,
-                },
-                error: error.into(),
-            },
+            SendError::Connect(error) => Failure::not_connected(error, None),
+            SendError::NotConnected(error, request) => Failure::not_connected(error, Some(request)),
             SendError::Http(error) => Failure::of(error, true),
             SendError::Fresh(error) => Failure::of(error, false),
+            SendError::Unsent(error, request) => Failure {
+                unanswered: Some(Unanswered::NotSent),
+                unsent: Some(request),
+                ..Failure::of(error, false)
+            },
         }
     }
 }
@@ -308,12 +340,30 @@ impl From<SendError> for Failure {
 struct Failure {
     kind: FailureKind,
     error: Box<dyn std::error::Error + Send + Sync>,
+    /// Whether, and why, it may be sent again (see [`policy::may_retry`]); `None`: the target
+    /// answered (badly), or the client's side failed.
+    unanswered: Option<Unanswered>,
+    /// The request, handed back whole: it was never sent.
+    unsent: Option<Box<Request<Payload>>>,
 }
 
 impl Failure {
+    fn not_connected(error: io::Error, request: Option<Box<Request<Payload>>>) -> Failure {
+        Failure {
+            kind: match error.kind() {
+                io::ErrorKind::TimedOut => FailureKind::ConnectTimeout,
+                _ => FailureKind::Connect,
+            },
+            error: error.into(),
+            unanswered: Some(Unanswered::NotConnected),
+            unsent: request,
+        }
+    }
+
     /// A failure on a connection: `reused` for the pool's, where a close before the response is
     /// the keep-alive race; on a connection dialled for the request it is the target's answer.
     fn of(error: hyper::Error, reused: bool) -> Failure {
+        let unanswered = unanswered(&error);
         let kind = if stalled(&error) {
             FailureKind::RequestBodyStalled
         } else if error.is_user() {
@@ -331,8 +381,30 @@ impl Failure {
         Failure {
             kind,
             error: error.into(),
+            unanswered,
+            unsent: None,
         }
     }
+}
+
+/// What a connection's failure says of the request on it: refused unprocessed by an HTTP/2
+/// target (`REFUSED_STREAM`, or above a GOAWAY's last stream), or cut before any response (the
+/// connection closed or reset: the app may have seen it). A response the target sent, however
+/// bad, is an answer; so is a failure of the client's own request body.
+fn unanswered(error: &hyper::Error) -> Option<Unanswered> {
+    if error.is_user() || error.is_parse() || error.is_timeout() || stalled(error) {
+        return None;
+    }
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        if let Some(h2) = cause.downcast_ref::<h2::Error>()
+            && (h2.reason() == Some(h2::Reason::REFUSED_STREAM) || h2.is_go_away())
+        {
+            return Some(Unanswered::NotSent);
+        }
+        source = cause.source();
+    }
+    Some(Unanswered::MayHaveReached)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -42,7 +42,7 @@ use crate::net;
 use crate::proxy::http::client::PlainConn;
 use crate::proxy::http::context::ConnCtx;
 use crate::proxy::http::io::{self as hyper_io, PARK_AFTER};
-use crate::proxy::http::policy::{self, BadResponse, Synthetic};
+use crate::proxy::http::policy::{self, BadResponse, Synthetic, Unanswered};
 use crate::proxy::http::service::InFlight;
 
 /// hyper's default bound on a response head.
@@ -68,6 +68,19 @@ fn room_after(buf: &mut Vec<u8>, start: &mut usize, end: &mut usize, limit: usiz
         buf.resize(grown, 0);
     }
     true
+}
+
+/// Whether an outbound request that got no answer goes again: the policy's rule (every request
+/// the lane takes is idempotent and bodiless), this request's share, and the budget's say.
+fn retry(ctx: &ConnCtx, request: &RequestPlan, unanswered: Unanswered, retried: &mut u32) -> bool {
+    let Some(retries) = &ctx.upstream.retries else {
+        return false;
+    };
+    let allowed = *retried < policy::MAX_RETRIES
+        && policy::may_retry(unanswered, request.method, false, true)
+        && retries.withdraw(unanswered, &ctx.upstream.name);
+    *retried += u32::from(allowed);
+    allowed
 }
 
 /// How the lane left the connection.
@@ -470,7 +483,11 @@ impl<'a> FastLane<'a> {
         let target = &ctx.upstream.name;
         // The response timeout counts from here, the connect included (the policy's deadline).
         let deadline = policy::response_deadline(ctx.proxy.http.response_timeout);
+        if let Some(retries) = &ctx.upstream.retries {
+            retries.deposit();
+        }
         let mut replayed = false;
+        let mut retried = 0;
         let (mut conn, response) = loop {
             let (mut conn, reused) = match pool.checkout_plain() {
                 Some(conn) => (conn, true),
@@ -487,6 +504,12 @@ impl<'a> FastLane<'a> {
                     .await;
                     match dialled {
                         Waited::Ready(Ok(conn)) => (conn, false),
+                        Waited::Ready(Err(error))
+                            if retry(ctx, request, Unanswered::NotConnected, &mut retried) =>
+                        {
+                            debug!(%error, "cannot connect; sending the request again");
+                            continue;
+                        }
                         Waited::Ready(Err(error)) => {
                             debug!(%error, "forwarding failed");
                             let timed_out = error.kind() == io::ErrorKind::TimedOut;
@@ -528,6 +551,11 @@ impl<'a> FastLane<'a> {
                 {
                     debug!("the target closed a pooled connection before answering; retrying once");
                     replayed = true;
+                }
+                HeadRead::ClosedBeforeResponse
+                    if retry(ctx, request, Unanswered::MayHaveReached, &mut retried) =>
+                {
+                    debug!("the target closed before answering; sending the request again");
                 }
                 HeadRead::ClosedBeforeResponse => {
                     let answer = Synthetic::bad_response(target, BadResponse::Unreadable);

@@ -1,0 +1,231 @@
+//! Outbound retries (docs/http.md, "Retries"): a request towards another pod that got no answer
+//! goes again when it never reached the app (any method, its body held whole) or when it is
+//! idempotent without a body, within the retry budget; inbound requests never do. Each test
+//! runs through both HTTP/1 engines where the request is one the fast lane takes.
+
+mod support;
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread;
+
+use support::backend::read_response;
+use support::h2raw::{self, H2};
+use support::scripted::{After, Scripted};
+use support::*;
+
+/// A target that closes its first `close_first` connections as soon as it has read a request
+/// (no answer), and answers `200 ok` on the others.
+struct Flaky(Scripted);
+
+impl Flaky {
+    fn start(close_first: usize) -> Flaky {
+        Flaky(Scripted::start_by_connection(Arc::new(
+            move |_, number| match number < close_first {
+                true => (String::new(), After::Close),
+                false => (
+                    "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok".into(),
+                    After::KeepServing,
+                ),
+            },
+        )))
+    }
+
+    fn addr(&self) -> SocketAddr {
+        self.0.addr
+    }
+
+    /// The request lines it got, in order.
+    fn requests(&self) -> Vec<String> {
+        self.0
+            .heads
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|head| head.lines().next().unwrap_or("").to_string())
+            .collect()
+    }
+}
+
+fn exchange(addr: SocketAddr, raw: &str) -> u16 {
+    let mut client = TcpStream::connect(addr).unwrap();
+    client.set_read_timeout(Some(PATIENCE)).unwrap();
+    client.write_all(raw.as_bytes()).unwrap();
+    read_response(&mut client)
+        .unwrap_or_else(|error| panic!("{raw:?}: {error}"))
+        .status
+}
+
+const GET: &str = "GET /get HTTP/1.1\r\nHost: callee.test\r\n\r\n";
+/// The same GET, with an empty body hyper's path takes (the lane does not).
+const GET_THROUGH_HYPER: &str =
+    "GET /get HTTP/1.1\r\nHost: callee.test\r\ncontent-length: 0\r\n\r\n";
+const POST: &str = "POST /post HTTP/1.1\r\nHost: callee.test\r\ncontent-length: 5\r\n\r\nhello";
+
+fn outbound_to(target: SocketAddr, extra: &[&str]) -> Proxy {
+    let route = format!("127.0.0.1:0={target}/http");
+    let mut args = vec!["--outbound", &route];
+    args.extend_from_slice(extra);
+    Proxy::start(&args)
+}
+
+#[test]
+fn an_outbound_get_whose_callee_closed_before_answering_is_sent_again() {
+    for (engine, request) in [("lane", GET), ("hyper", GET_THROUGH_HYPER)] {
+        let callee = Flaky::start(2);
+        let proxy = outbound_to(callee.addr(), &[]);
+        assert_eq!(exchange(proxy.outbound[0], request), 200, "{engine}");
+        assert_eq!(
+            callee.requests().len(),
+            3,
+            "{engine}: {:?}",
+            callee.requests()
+        );
+        assert_eq!(
+            proxy.metric(
+                "lameduck_http_retries_total{direction=\"outbound\",reason=\"may_have_reached\",outcome=\"retried\"}"
+            ),
+            2.0,
+            "{engine}"
+        );
+    }
+}
+
+#[test]
+fn a_post_that_may_have_reached_the_callee_is_not_sent_again() {
+    let callee = Flaky::start(1);
+    let proxy = outbound_to(callee.addr(), &[]);
+    assert_eq!(exchange(proxy.outbound[0], POST), 502);
+    assert_eq!(callee.requests(), ["POST /post HTTP/1.1"]);
+}
+
+#[test]
+fn a_post_that_could_not_connect_is_sent_again_with_its_body() {
+    // A port nothing listens on: every connect is refused, so the request (body and all) is
+    // sent again up to its share, then the client gets the 502.
+    let refused = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = refused.local_addr().unwrap();
+    drop(refused);
+    for (engine, request) in [("lane", GET), ("hyper", POST)] {
+        let proxy = outbound_to(addr, &[]);
+        assert_eq!(exchange(proxy.outbound[0], request), 502, "{engine}");
+        assert_eq!(
+            proxy.metric(
+                "lameduck_http_retries_total{direction=\"outbound\",reason=\"not_connected\",outcome=\"retried\"}"
+            ),
+            3.0,
+            "{engine}"
+        );
+    }
+}
+
+#[test]
+fn inbound_requests_are_not_retried() {
+    let callee = Flaky::start(1);
+    let proxy = Proxy::start(&["--inbound", &format!("127.0.0.1:0={}/http", callee.addr())]);
+    assert_eq!(exchange(proxy.inbound[0], GET), 502);
+    assert_eq!(callee.requests().len(), 1);
+}
+
+#[test]
+fn retries_can_be_turned_off() {
+    for (engine, request) in [("lane", GET), ("hyper", GET_THROUGH_HYPER)] {
+        let callee = Flaky::start(1);
+        let proxy = outbound_to(callee.addr(), &["--http-retries=false"]);
+        assert_eq!(exchange(proxy.outbound[0], request), 502, "{engine}");
+        assert_eq!(callee.requests().len(), 1, "{engine}");
+    }
+}
+
+/// A callee that never answers: retries stop at the budget (here its floor alone: one a second
+/// over ten seconds, no share), and the rest fail as they would without retries.
+#[test]
+fn retries_stop_at_the_budget() {
+    let callee = Flaky::start(usize::MAX);
+    let proxy = outbound_to(callee.addr(), &["--http-retry-budget=0%+1/s"]);
+    for _ in 0..20 {
+        assert_eq!(exchange(proxy.outbound[0], GET), 502);
+    }
+    let retried = proxy.metric(
+        "lameduck_http_retries_total{direction=\"outbound\",reason=\"may_have_reached\",outcome=\"retried\"}",
+    );
+    let refused = proxy.metric(
+        "lameduck_http_retries_total{direction=\"outbound\",reason=\"may_have_reached\",outcome=\"budget_exhausted\"}",
+    );
+    assert_eq!(retried, 10.0);
+    assert!(refused >= 10.0, "{refused}");
+    assert_eq!(callee.requests().len(), 20 + 10);
+    proxy.logs.wait_for("the budget spent, logged", |line| {
+        line.contains("retry budget is spent")
+    });
+}
+
+/// An HTTP/2 callee that refuses the first stream it gets, with `REFUSED_STREAM` or with a GOAWAY
+/// whose last stream id is below it (`goaway`, then it closes that connection), and answers
+/// `200` to every later one.
+fn refusing_h2_callee(goaway: bool) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let streams = Arc::new(AtomicUsize::new(0));
+    let seen = streams.clone();
+    thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { return };
+            let seen = seen.clone();
+            thread::spawn(move || {
+                let Ok(mut h2) = H2::accepted(stream) else {
+                    return;
+                };
+                while let Ok(frame) = h2.read_frame() {
+                    match frame.kind {
+                        h2raw::SETTINGS if frame.flags & h2raw::ACK == 0 => {
+                            h2.send(h2raw::SETTINGS, h2raw::ACK, 0, &[]);
+                        }
+                        h2raw::HEADERS => {
+                            if seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                                if goaway {
+                                    // Last stream id 0, NO_ERROR: stream 1 was never processed.
+                                    h2.send(h2raw::GOAWAY, 0, 0, &[0; 8]);
+                                    return;
+                                }
+                                // REFUSED_STREAM (7).
+                                h2.send(h2raw::RST_STREAM, 0, frame.stream, &7u32.to_be_bytes());
+                                continue;
+                            }
+                            // `:status 200` (HPACK static index 8), no body.
+                            let flags = h2raw::END_HEADERS | h2raw::END_STREAM;
+                            h2.send(h2raw::HEADERS, flags, frame.stream, &[0x88]);
+                        }
+                        _ => {}
+                    }
+                }
+            });
+        }
+    });
+    (addr, streams)
+}
+
+#[test]
+fn an_http2_stream_the_callee_refused_or_never_processed_is_sent_again() {
+    for goaway in [false, true] {
+        let (callee, streams) = refusing_h2_callee(goaway);
+        let proxy = outbound_to(callee, &[]);
+        let mut client = H2::connect(proxy.outbound[0]);
+        client.get(1, "/");
+        let frames = client
+            .read_until(|frame| frame.kind == h2raw::HEADERS || frame.kind == h2raw::RST_STREAM)
+            .unwrap();
+        let last = frames.last().unwrap();
+        assert!(last.is_status_200(), "goaway={goaway}: {frames:?}");
+        assert_eq!(streams.load(Ordering::SeqCst), 2, "goaway={goaway}");
+        assert_eq!(
+            proxy.metric(
+                "lameduck_http_retries_total{direction=\"outbound\",reason=\"not_sent\",outcome=\"retried\"}"
+            ),
+            1.0,
+            "goaway={goaway}"
+        );
+    }
+}
