@@ -163,8 +163,7 @@ fn retries_stop_at_the_budget() {
 }
 
 /// An HTTP/2 callee that refuses the first stream it gets, with `REFUSED_STREAM` or with a GOAWAY
-/// whose last stream id is below it (`goaway`, then it closes that connection), and answers
-/// `200` to every later one.
+/// whose last stream id is below it (`goaway`), and answers `200` to every later one.
 fn refusing_h2_callee(goaway: bool) -> (SocketAddr, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
@@ -187,8 +186,10 @@ fn refusing_h2_callee(goaway: bool) -> (SocketAddr, Arc<AtomicUsize>) {
                             if seen.fetch_add(1, Ordering::SeqCst) == 0 {
                                 if goaway {
                                     // Last stream id 0, NO_ERROR: stream 1 was never processed.
+                                    // The connection stays open (a close with the client's
+                                    // frames unread would reset it, and the GOAWAY with it).
                                     h2.send(h2raw::GOAWAY, 0, 0, &[0; 8]);
-                                    return;
+                                    continue;
                                 }
                                 // REFUSED_STREAM (7).
                                 h2.send(h2raw::RST_STREAM, 0, frame.stream, &7u32.to_be_bytes());
