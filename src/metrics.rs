@@ -206,7 +206,7 @@ impl Metrics {
         let retries = Family::<[(&'static str, &'static str); 3], Counter>::default();
         registry.register(
             "http_retries",
-            "Outbound HTTP requests that got no answer and were sent again (outcome=retried) or not, the retry budget being spent (outcome=budget_exhausted), by why: not_connected (the connect failed), not_sent (the target refused the stream, or the request never left), may_have_reached (the connection closed before a response; idempotent requests without a body only)",
+            "Outbound HTTP requests that got no answer and were sent again (outcome=retried) or not, the retry budget being spent (outcome=budget_exhausted), by why: not_connected (the connect failed), not_sent (the target refused the stream, or the request never left), unread (the target reset the connection with the request unread), may_have_reached (the connection closed before a response; idempotent requests without a body only)",
             retries.clone(),
         );
         registry.register_collector(Box::new(StateCollector { conns, drain }));

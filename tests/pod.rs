@@ -279,7 +279,7 @@ fn client(
         }
         let (stream, reused) = connection.as_mut().unwrap();
         let id = ids.fetch_add(1, Ordering::SeqCst);
-        let answer = testapp::exchange(stream, id, keep_alive, *reused);
+        let answer = testapp::exchange(stream, id, keep_alive, *reused, false);
         let serves_on = tally.lock().unwrap().record(id, answer, deleted.is_some());
         match serves_on {
             true => *reused = true,

@@ -104,7 +104,7 @@ fn a_post_that_may_have_reached_the_callee_is_not_sent_again() {
 #[test]
 fn a_post_that_could_not_connect_is_sent_again_with_its_body() {
     // A port nothing listens on: every connect is refused, so the request (body and all) is
-    // sent again up to its share, then the client gets the 502.
+    // sent again up to its share (10 for a refused connect), then the client gets the 502.
     let refused = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = refused.local_addr().unwrap();
     drop(refused);
@@ -115,7 +115,7 @@ fn a_post_that_could_not_connect_is_sent_again_with_its_body() {
             proxy.metric(
                 "lameduck_http_retries_total{direction=\"outbound\",reason=\"not_connected\",outcome=\"retried\"}"
             ),
-            3.0,
+            10.0,
             "{engine}"
         );
     }
@@ -229,4 +229,53 @@ fn an_http2_stream_the_callee_refused_or_never_processed_is_sent_again() {
             "goaway={goaway}"
         );
     }
+}
+
+/// A callee whose kernel took the request but whose app never read it (a pod that exits, a
+/// listener closed with the connection queued): the connection is reset. A POST sent so is sent
+/// again, its body (kept as it went) whole.
+#[test]
+fn a_post_the_callee_reset_unread_is_sent_again_with_its_body() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let bodies = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = bodies.clone();
+    thread::spawn(move || {
+        for (number, stream) in listener.incoming().enumerate() {
+            let Ok(mut stream) = stream else { return };
+            if number == 0 {
+                // The request arrives and is never read; the close resets it.
+                thread::sleep(std::time::Duration::from_millis(200));
+                let _ = socket2::SockRef::from(&stream).set_linger(Some(std::time::Duration::ZERO));
+                continue;
+            }
+            let seen = seen.clone();
+            thread::spawn(move || {
+                let mut request = Vec::new();
+                let mut byte = [0u8; 1];
+                while !request.ends_with(b"order") {
+                    match std::io::Read::read(&mut stream, &mut byte) {
+                        Ok(1) => request.push(byte[0]),
+                        _ => return,
+                    }
+                }
+                seen.lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(&request).into_owned());
+                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
+            });
+        }
+    });
+    let proxy = outbound_to(addr, &[]);
+    let post = "POST /post HTTP/1.1\r\nHost: callee.test\r\ncontent-length: 5\r\n\r\norder";
+    assert_eq!(exchange(proxy.outbound[0], post), 200);
+    let bodies = bodies.lock().unwrap();
+    assert_eq!(bodies.len(), 1, "{bodies:?}");
+    assert!(bodies[0].ends_with("\r\n\r\norder"), "{bodies:?}");
+    assert_eq!(
+        proxy.metric(
+            "lameduck_http_retries_total{direction=\"outbound\",reason=\"unread\",outcome=\"retried\"}"
+        ),
+        1.0
+    );
 }

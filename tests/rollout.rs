@@ -94,7 +94,22 @@ struct Profile {
     meshed: bool,
     /// Annotations of the pod template (`{a: b, …}` flow style), besides none.
     annotations: &'static str,
+    /// Who calls the Service.
+    caller: Caller,
 }
+
+/// Who calls the Service.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Caller {
+    /// Clients in a namespace of their own, straight to the ClusterIP.
+    Direct,
+    /// Clients inside a meshed pod: their calls go through its own lameduck (interception on),
+    /// with outbound retries on or off; half of them POST.
+    Meshed { retries: bool },
+}
+
+/// The caller pod's index (its address), never an endpoint of the Service.
+const CALLER_INDEX: usize = 20;
 
 /// The node, the clients' namespace and the Service of one profile.
 struct Cluster {
@@ -220,8 +235,9 @@ impl Cluster {
         self.sync(&endpoints);
     }
 
-    /// A pod of version `version`, started and ready (an endpoint is the caller's to add).
-    fn start_pod(&self, index: usize, profile: Profile) -> Pod {
+    /// A pod of version `version`, started and ready (an endpoint is the caller's to add), its
+    /// proxy's environment extended by `proxy_env`.
+    fn start_pod(&self, index: usize, profile: Profile, proxy_env: &[(&str, &str)]) -> Pod {
         let mut input = DEPLOYMENT.replace("testapp:MODE", &format!("testapp:{}", profile.app));
         if !profile.annotations.is_empty() {
             input = input.replace(
@@ -280,6 +296,9 @@ impl Cluster {
             &format!("10.{}.0.1", 100 + self.k),
         ]);
         pod.add_env("app", "UPSTREAM", &self.upstream.addr.to_string());
+        for (name, value) in proxy_env {
+            pod.add_env("lameduck-proxy", name, value);
+        }
         pod.start();
         let target = SocketAddr::from((ip, APP_PORT));
         let h2_target = SocketAddr::from((ip, H2_APP_PORT));
@@ -349,6 +368,7 @@ fn images(upstream: SocketAddr) -> HashMap<String, Image> {
 fn client(
     service: SocketAddr,
     keep_alive: bool,
+    post: bool,
     stop: &AtomicBool,
     tally: &Mutex<Tally>,
     ids: &AtomicU64,
@@ -376,7 +396,7 @@ fn client(
         }
         let (stream, reused) = connection.as_mut().unwrap();
         let id = ids.fetch_add(1, Ordering::SeqCst);
-        let answer = testapp::exchange(stream, id, keep_alive, *reused);
+        let answer = testapp::exchange(stream, id, keep_alive, *reused, post);
         match tally.lock().unwrap().record(id, answer, false) {
             true => *reused = true,
             false => connection = None,
@@ -455,7 +475,7 @@ fn h2_client(service: SocketAddr, stop: &AtomicBool, tally: &Mutex<Tally>, ids: 
 
 /// Rolls 3 replicas from one version to the next under load; returns what the clients saw,
 /// and each old pod's lame duck as its proxy logged it.
-fn rollout(tag: &str, k: u8, profile: Profile) -> Option<(Tally, Vec<u64>, Duration)> {
+fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
     if Command::new("python3").arg("--version").output().is_err() {
         support::skip(tag, "no python3 for the test app");
         return None;
@@ -469,23 +489,50 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<(Tally, Vec<u64>, Durat
     };
     let mut old: Vec<(usize, Pod)> = Vec::new();
     for index in 0..REPLICAS {
-        let pod = cluster.start_pod(index, profile);
+        let pod = cluster.start_pod(index, profile, &[]);
         cluster.add_endpoint(cluster.pod_ip(index));
         old.push((index, pod));
     }
+    // A meshed caller: its clients run in its network namespace, where its lameduck intercepts
+    // their calls (only the proxy's own uid is left alone).
+    let caller = match profile.caller {
+        Caller::Direct => None,
+        Caller::Meshed { retries } => {
+            let env: &[(&str, &str)] = match retries {
+                true => &[],
+                false => &[("LAMEDUCK_HTTP_RETRIES", "false")],
+            };
+            let meshed = Profile {
+                meshed: true,
+                app: "graceful",
+                ..profile
+            };
+            Some(cluster.start_pod(CALLER_INDEX, meshed, env))
+        }
+    };
+    let client_netns = match &caller {
+        Some(pod) => pod.netns.clone(),
+        None => cluster.clients.clone(),
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let tally = Arc::new(Mutex::new(Tally::default()));
+    let posts = Arc::new(Mutex::new(Tally::default()));
     let ids = Arc::new(AtomicU64::new(1));
     let mut clients: Vec<_> = (0..KEEP_ALIVE_CLIENTS + NEW_CONNECTION_CLIENTS)
         .map(|index| {
-            let (stop, tally, ids) = (stop.clone(), tally.clone(), ids.clone());
+            // Behind a meshed caller every other client POSTs.
+            let post = caller.is_some() && index % 2 == 1;
+            let tally = match post {
+                true => posts.clone(),
+                false => tally.clone(),
+            };
+            let (stop, ids) = (stop.clone(), ids.clone());
             let service = cluster.service;
-            cluster
-                .clients
-                .spawn(move || client(service, index < KEEP_ALIVE_CLIENTS, &stop, &tally, &ids))
+            let keep_alive = index < KEEP_ALIVE_CLIENTS;
+            client_netns.spawn(move || client(service, keep_alive, post, &stop, &tally, &ids))
         })
         .collect();
-    if profile.meshed {
+    if profile.meshed && caller.is_none() {
         for _ in 0..H2_CLIENTS {
             let (stop, tally, ids) = (stop.clone(), tally.clone(), ids.clone());
             let service = SocketAddr::new(cluster.service.ip(), 81);
@@ -504,7 +551,7 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<(Tally, Vec<u64>, Durat
     let mut new_pods = Vec::new();
     for (step, (index, pod)) in old.into_iter().enumerate() {
         let fresh = REPLICAS + step;
-        let pod_new = cluster.start_pod(fresh, profile);
+        let pod_new = cluster.start_pod(fresh, profile, &[]);
         cluster.add_endpoint(cluster.pod_ip(fresh));
         new_pods.push(pod_new);
         let cluster = cluster.clone();
@@ -601,7 +648,67 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<(Tally, Vec<u64>, Durat
         tally.failed.len(),
         took.as_secs_f64()
     );
-    Some((tally, lame_ducks, took))
+    let posts = Arc::try_unwrap(posts).unwrap().into_inner().unwrap();
+    // A failed POST is right only if the app saw it (it may have acted on it).
+    let posts_unreached: Vec<String> = posts
+        .failed
+        .iter()
+        .filter(|why| {
+            why.strip_prefix("id ")
+                .and_then(|rest| rest.split(':').next()?.parse::<u64>().ok())
+                .is_none_or(|id| !seen.contains(&id))
+        })
+        .cloned()
+        .collect();
+    // The caller's retries, from its proxy's metrics.
+    let retried = caller.as_ref().map(|_| {
+        let admin = SocketAddr::from((cluster.pod_ip(CALLER_INDEX), 4191));
+        let metrics = cluster
+            .node
+            .run(move || support::http(admin, "GET", "/metrics", &[]).body);
+        let sum = |outcome: &str| -> f64 {
+            metrics
+                .lines()
+                .filter(|line| {
+                    line.starts_with("lameduck_http_retries_total{")
+                        && line.contains(&format!("outcome=\"{outcome}\""))
+                })
+                .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+                .fold(0.0, |total, value| total + value)
+        };
+        (sum("retried"), sum("budget_exhausted"))
+    });
+    if let Some((retried, exhausted)) = retried {
+        eprintln!(
+            "{tag}: meshed caller: {} POSTs answered, {} failed ({} never reached a callee); \
+             its proxy retried {retried} requests, {exhausted} over the budget",
+            posts.ok,
+            posts.failed.len(),
+            posts_unreached.len()
+        );
+    }
+    drop(caller);
+    Some(Run {
+        tally,
+        posts,
+        posts_unreached,
+        retried,
+        lame_ducks,
+    })
+}
+
+/// What one rollout's clients saw.
+struct Run {
+    /// The GETs (all requests, without a meshed caller).
+    tally: Tally,
+    /// A meshed caller's POSTs.
+    posts: Tally,
+    /// Of the failed POSTs, those the app never saw.
+    posts_unreached: Vec<String>,
+    /// A meshed caller's proxy: requests retried, and refused a retry by the budget.
+    retried: Option<(f64, f64)>,
+    /// Each old pod's lame duck, as its proxy logged it.
+    lame_ducks: Vec<u64>,
 }
 
 fn profile(propagation_ms: u64, app: &'static str) -> Profile {
@@ -611,13 +718,17 @@ fn profile(propagation_ms: u64, app: &'static str) -> Profile {
         without_deletion: false,
         meshed: true,
         annotations: "",
+        caller: Caller::Direct,
     }
 }
 
 /// The rollout of `profile` loses no request, over HTTP/1.1 and HTTP/2, and each old pod's
 /// proxy ran its lame duck.
 fn zero_loss(tag: &str, k: u8, profile: Profile) {
-    let Some((tally, lame_ducks, _)) = rollout(tag, k, profile) else {
+    let Some(Run {
+        tally, lame_ducks, ..
+    }) = rollout(tag, k, profile)
+    else {
         return;
     };
     assert!(
@@ -688,12 +799,82 @@ fn without_the_proxy_the_same_rollout_loses_requests() {
         without_deletion: false,
         meshed: false,
         annotations: "",
+        caller: Caller::Direct,
     };
-    let Some((tally, _, _)) = rollout("rono", 5, profile) else {
+    let Some(Run { tally, .. }) = rollout("rono", 5, profile) else {
         return;
     };
     assert!(
         !tally.failed.is_empty(),
         "no request failed without the proxy: the harness cannot see a loss"
     );
+}
+
+/// A meshed caller (its app's calls to the ClusterIP through its own lameduck) while the callee
+/// Deployment, without a proxy, rolls with endpoints that forget a deleted pod after 10 s.
+fn meshed_caller(tag: &str, k: u8, app: &'static str, retries: bool) -> Option<Run> {
+    let profile = Profile {
+        propagation: Duration::from_secs(10),
+        app,
+        without_deletion: false,
+        meshed: false,
+        annotations: "",
+        caller: Caller::Meshed { retries },
+    };
+    rollout(tag, k, profile)
+}
+
+/// Every GET is answered and every failed POST was seen by the callee's app, and the caller's
+/// retries stayed within their budget.
+fn caller_loses_nothing(tag: &str, run: Option<Run>) {
+    let Some(run) = run else { return };
+    assert!(
+        run.tally.failed.is_empty(),
+        "{tag}: {} GETs failed (the first 10: {:?})",
+        run.tally.failed.len(),
+        &run.tally.failed[..run.tally.failed.len().min(10)]
+    );
+    assert!(
+        run.posts_unreached.is_empty(),
+        "{tag}: POSTs that never reached a callee failed: {:?}",
+        run.posts_unreached
+    );
+    assert!(
+        run.tally.ok > 300,
+        "{tag}: only {} GETs answered",
+        run.tally.ok
+    );
+    assert!(
+        run.posts.ok > 100,
+        "{tag}: only {} POSTs answered",
+        run.posts.ok
+    );
+    // Whether anything needed a retry depends on which pooled connections the rollout cut;
+    // without_retries_a_meshed_caller_sees_its_callee_roll shows that some do.
+    let (_, exhausted) = run.retried.expect("a meshed caller");
+    assert_eq!(exhausted, 0.0, "{tag}: retries went over the budget");
+}
+
+#[test]
+fn a_meshed_caller_loses_nothing_while_its_callee_rolls() {
+    caller_loses_nothing("rmcg", meshed_caller("rmcg", 9, "graceful", true));
+}
+
+#[test]
+fn a_meshed_caller_loses_nothing_while_its_callee_rolls_and_exits_at_once() {
+    caller_loses_nothing("rmci", meshed_caller("rmci", 10, "immediate", true));
+}
+
+/// The harness can see what retries save: the same rollout with the caller's retries off fails
+/// requests.
+#[test]
+fn without_retries_a_meshed_caller_sees_its_callee_roll() {
+    let Some(run) = meshed_caller("rmcn", 11, "graceful", false) else {
+        return;
+    };
+    assert!(
+        !run.tally.failed.is_empty() || !run.posts.failed.is_empty(),
+        "no request failed without retries: the harness cannot see what they save"
+    );
+    assert_eq!(run.retried, Some((0.0, 0.0)));
 }

@@ -82,15 +82,25 @@ pub enum Answer {
     Retry,
 }
 
-/// Sends `GET /work?id=ID` on `stream` and reads the answer; `reused` says whether the
-/// connection served a request before.
-pub fn exchange(stream: &mut TcpStream, id: u64, keep_alive: bool, reused: bool) -> Answer {
+/// Sends `GET /work?id=ID` on `stream` (a `POST` with a small body when `post`) and reads the
+/// answer; `reused` says whether the connection served a request before.
+pub fn exchange(
+    stream: &mut TcpStream,
+    id: u64,
+    keep_alive: bool,
+    reused: bool,
+    post: bool,
+) -> Answer {
     let close = if keep_alive {
         ""
     } else {
         "Connection: close\r\n"
     };
-    let request = format!("GET /work?id={id} HTTP/1.1\r\nHost: shop\r\n{close}\r\n");
+    let (method, body) = match post {
+        true => ("POST", "Content-Length: 5\r\n\r\norder"),
+        false => ("GET", "\r\n"),
+    };
+    let request = format!("{method} /work?id={id} HTTP/1.1\r\nHost: shop\r\n{close}{body}");
     let response = stream
         .write_all(request.as_bytes())
         .and_then(|()| read_response(stream));

@@ -2,7 +2,7 @@
 //! stall, and the guard that tells an HTTP/1 connection when its request body has ended.
 
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -17,6 +17,29 @@ pub enum Payload {
     /// A client's HTTP/1 request body on its way to the target, watched to its end.
     Request(Incoming, RequestBodyGuard, Stall),
     Bytes(Option<Bytes>),
+    /// A request body whose bytes are kept as they go out (see [`Held`]).
+    Held(Box<Payload>, Arc<Mutex<Held>>),
+}
+
+/// The most of a request body kept to send it again (an outbound retry after the target reset
+/// the connection without reading it); a larger body is not kept, and its request not retried.
+pub const HELD_BODY_LIMIT: usize = 64 * 1024;
+
+/// A request body's bytes, kept as they go to the target up to [`HELD_BODY_LIMIT`].
+#[derive(Default)]
+pub struct Held {
+    bytes: Vec<u8>,
+    /// The body ended, and every byte of it is in `bytes`.
+    whole: bool,
+    /// Over the limit, or trailers: not kept.
+    given_up: bool,
+}
+
+impl Held {
+    /// The whole body, if it was read to its end and kept.
+    pub fn whole(&self) -> Option<Bytes> {
+        (self.whole && !self.given_up).then(|| Bytes::copy_from_slice(&self.bytes))
+    }
 }
 
 /// What a body's poll may fail with: the peer's error, or [`BodyStalled`].
@@ -136,6 +159,22 @@ impl Body for Payload {
                 stall.watch(poll, cx)
             }
             Payload::Bytes(bytes) => Poll::Ready(bytes.take().map(|bytes| Ok(Frame::data(bytes)))),
+            Payload::Held(body, held) => {
+                let poll = Pin::new(&mut **body).poll_frame(cx);
+                let mut held = crate::sync::lock(held);
+                if let Poll::Ready(Some(Ok(frame))) = &poll {
+                    match frame.data_ref() {
+                        Some(data) if held.bytes.len() + data.len() <= HELD_BODY_LIMIT => {
+                            held.bytes.extend_from_slice(data);
+                        }
+                        _ => held.given_up = true,
+                    }
+                }
+                if reached_end(&poll, &**body) {
+                    held.whole = true;
+                }
+                poll
+            }
         }
     }
 
@@ -143,6 +182,7 @@ impl Body for Payload {
         match self {
             Payload::Stream(body, _) | Payload::Request(body, _, _) => body.is_end_stream(),
             Payload::Bytes(bytes) => bytes.is_none(),
+            Payload::Held(body, _) => body.is_end_stream(),
         }
     }
 
@@ -152,6 +192,7 @@ impl Body for Payload {
             Payload::Bytes(bytes) => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }
+            Payload::Held(body, _) => body.size_hint(),
         }
     }
 }

@@ -220,6 +220,11 @@ pub(crate) enum Unanswered {
     /// Never sent, or refused unprocessed: HTTP/2 `REFUSED_STREAM`, a stream above a GOAWAY's
     /// last stream id, an HTTP/1 request that hyper handed back unwritten.
     NotSent,
+    /// The target reset the connection before any byte of a response: its kernel held bytes
+    /// of the request its app never read (a socket closed with unread data is reset, one whose
+    /// data was read is closed with a FIN): a pod that exited, or a listener closed with the
+    /// connection in its queue.
+    Unread,
     /// The connection closed or failed before any byte of a response, after the request (or
     /// part of it) went out: the app may have seen it.
     MayHaveReached,
@@ -230,14 +235,22 @@ impl Unanswered {
         match self {
             Unanswered::NotConnected => "not_connected",
             Unanswered::NotSent => "not_sent",
+            Unanswered::Unread => "unread",
             Unanswered::MayHaveReached => "may_have_reached",
         }
     }
 }
 
 /// How many times one request is sent again at most, beyond the keep-alive race: the retry
-/// budget bounds retries overall, this one request's share of them.
-pub(super) const MAX_RETRIES: u32 = 3;
+/// budget bounds retries overall, this one request's share of them. A refused connect costs the
+/// callee nothing and fails at once, and behind a Service each new connect draws an endpoint
+/// again (a rollout may leave half of them gone for seconds): more of those.
+pub(super) fn max_retries(unanswered: Unanswered) -> u32 {
+    match unanswered {
+        Unanswered::NotConnected => 10,
+        Unanswered::NotSent | Unanswered::Unread | Unanswered::MayHaveReached => 3,
+    }
+}
 
 /// Whether an outbound request that got no answer may be sent again (when the retry budget
 /// allows, and within its deadline): one that never reached the app whatever its method, its
@@ -251,7 +264,9 @@ pub(crate) fn may_retry(
     body_whole: bool,
 ) -> bool {
     match unanswered {
-        Unanswered::NotConnected | Unanswered::NotSent => !has_body || body_whole,
+        Unanswered::NotConnected | Unanswered::NotSent | Unanswered::Unread => {
+            !has_body || body_whole
+        }
         Unanswered::MayHaveReached => may_replay(method, has_body, true),
     }
 }

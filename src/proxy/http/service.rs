@@ -11,8 +11,8 @@
 use std::convert::Infallible;
 use std::io;
 use std::pin::{Pin, pin};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -29,7 +29,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::{Instrument, debug};
 
-use super::body::{BodyError, BodyStalled, Payload, RequestBodyGuard, Stall, reached_end};
+use super::body::{BodyError, BodyStalled, Held, Payload, RequestBodyGuard, Stall, reached_end};
 use super::client::{Lease, SendError, Upstream};
 use super::context::{ConnCtx, HttpVersion};
 use super::headers::{
@@ -41,6 +41,7 @@ use super::policy::{self, BadResponse, Synthetic, Unanswered};
 use crate::conns::{ConnProtocol, Connection};
 use crate::metrics::Timeout;
 use crate::proxy::tcp;
+use crate::sync::lock;
 
 /// Forwards one request. What the connection must know at once (a request started, its body
 /// is being read, it may upgrade) is recorded when hyper calls the service, before the future
@@ -239,9 +240,16 @@ fn send(
             retries.deposit();
         }
         let has_body = !request.body().is_end_stream();
-        // A bodiless request's parts, to send it again; the headers as a list, not a second
-        // map: a map's clone also copies its hash index, and the copy is almost never used.
-        let parts = (!has_body && (retries.is_some() || replayable(&request))).then(|| {
+        // Outbound, a request's body is kept as it goes (up to a bound), to send it whole
+        // again should the target reset the connection without reading it.
+        let held = (retries.is_some() && has_body).then(|| Arc::new(Mutex::new(Held::default())));
+        let request = match &held {
+            Some(held) => request.map(|body| Payload::Held(Box::new(body), held.clone())),
+            None => request,
+        };
+        // The request's parts, to send it again; the headers as a list, not a second map: a
+        // map's clone also copies its hash index, and the copy is almost never used.
+        let parts = (retries.is_some() || (!has_body && replayable(&request))).then(|| {
             let headers: Vec<(HeaderName, HeaderValue)> = request
                 .headers()
                 .iter()
@@ -262,7 +270,8 @@ fn send(
             let request = match (next.take(), &parts) {
                 (Some(request), _) => request,
                 (None, Some((method, uri, version_of_request, headers))) => {
-                    let mut again = Request::new(Payload::Bytes(None));
+                    let body = held.as_ref().and_then(|held| lock(held).whole());
+                    let mut again = Request::new(Payload::Bytes(body));
                     *again.method_mut() = method.clone();
                     *again.uri_mut() = uri.clone();
                     *again.version_mut() = *version_of_request;
@@ -276,7 +285,11 @@ fn send(
                 sent => return sent,
             };
             let unsent = failure.unsent.take().map(|request| *request);
-            if failure.kind == FailureKind::ClosedBeforeResponse && !replayed && parts.is_some() {
+            if failure.kind == FailureKind::ClosedBeforeResponse
+                && !replayed
+                && !has_body
+                && parts.is_some()
+            {
                 debug!(error = %failure.error, "the target closed a pooled connection before answering; retrying once");
                 replayed = true;
                 next = unsent;
@@ -285,9 +298,12 @@ fn send(
             let (Some(retries), Some(unanswered)) = (retries, failure.unanswered) else {
                 return Err(failure);
             };
-            let body_whole = unsent.is_some();
-            let allowed = retried < policy::MAX_RETRIES
-                && (unsent.is_some() || parts.is_some())
+            let body_whole = unsent.is_some()
+                || held
+                    .as_ref()
+                    .is_some_and(|held| lock(held).whole().is_some());
+            let allowed = retried < policy::max_retries(unanswered)
+                && (unsent.is_some() || (parts.is_some() && (!has_body || body_whole)))
                 && policy::may_retry(unanswered, method.as_str().as_bytes(), has_body, body_whole);
             if !allowed || !retries.withdraw(unanswered, &upstream.name) {
                 return Err(failure);
@@ -401,6 +417,12 @@ fn unanswered(error: &hyper::Error) -> Option<Unanswered> {
             && (h2.reason() == Some(h2::Reason::REFUSED_STREAM) || h2.is_go_away())
         {
             return Some(Unanswered::NotSent);
+        }
+        if cause
+            .downcast_ref::<io::Error>()
+            .is_some_and(|io| io.kind() == io::ErrorKind::ConnectionReset)
+        {
+            return Some(Unanswered::Unread);
         }
         source = cause.source();
     }
