@@ -657,6 +657,13 @@ impl Pod {
 impl Drop for Pod {
     fn drop(&mut self) {
         for running in self.apps.iter_mut().chain(self.sidecars.iter_mut()) {
+            // The container's init first, while `unshare` still holds it (so the pid is
+            // still its): a process that changed its user (the proxy, under setpriv) lost
+            // unshare's --kill-child on the way, and would outlive the test.
+            if let Ok(None) = running.child.try_wait() {
+                // SAFETY: kill(2) with a pid and a signal number; no memory is involved.
+                unsafe { libc::kill(running.init as i32, libc::SIGKILL) };
+            }
             let _ = running.child.kill();
             let _ = running.child.wait();
         }
