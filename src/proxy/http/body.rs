@@ -25,10 +25,12 @@ pub enum Payload {
 /// the connection without reading it); a larger body is not kept, and its request not retried.
 pub const HELD_BODY_LIMIT: usize = 64 * 1024;
 
-/// A request body's bytes, kept as they go to the target up to [`HELD_BODY_LIMIT`].
+/// A request body's bytes, kept as they go to the target up to [`HELD_BODY_LIMIT`]: the
+/// frames' own buffers, shared (no copy unless the body is sent again).
 #[derive(Default)]
 pub struct Held {
-    bytes: Vec<u8>,
+    chunks: Vec<Bytes>,
+    len: usize,
     /// The body ended, and every byte of it is in `bytes`.
     whole: bool,
     /// Over the limit, or trailers: not kept.
@@ -38,7 +40,7 @@ pub struct Held {
 impl Held {
     /// The whole body, if it was read to its end and kept.
     pub fn whole(&self) -> Option<Bytes> {
-        (self.whole && !self.given_up).then(|| Bytes::copy_from_slice(&self.bytes))
+        (self.whole && !self.given_up).then(|| Bytes::from(self.chunks.concat()))
     }
 }
 
@@ -164,8 +166,9 @@ impl Body for Payload {
                 let mut held = crate::sync::lock(held);
                 if let Poll::Ready(Some(Ok(frame))) = &poll {
                     match frame.data_ref() {
-                        Some(data) if held.bytes.len() + data.len() <= HELD_BODY_LIMIT => {
-                            held.bytes.extend_from_slice(data);
+                        Some(data) if held.len + data.len() <= HELD_BODY_LIMIT => {
+                            held.len += data.len();
+                            held.chunks.push(data.clone());
                         }
                         _ => held.given_up = true,
                     }

@@ -10,19 +10,7 @@ use hyper::header::{
 use hyper::{Method, Request, Response, StatusCode, Uri};
 
 use super::context::HttpVersion;
-use super::policy::{self, BadResponse, Synthetic};
-
-/// Headers that concern one hop only (RFC 9110 section 7.6.1), besides those `Connection` names.
-static HOP_BY_HOP: [HeaderName; 7] = [
-    // CONNECTION_BIT, TE_BIT and UPGRADE_BIT below follow this order.
-    CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    TE,
-    TRANSFER_ENCODING,
-    UPGRADE,
-    HeaderName::from_static("http2-settings"),
-];
+use super::policy::{self, BadResponse, Role, Synthetic};
 
 /// WebSocket-style upgrades (`Connection: upgrade` with `Upgrade`) and CONNECT.
 pub(super) fn wants_upgrade(request: &Request<Incoming>) -> bool {
@@ -34,7 +22,7 @@ pub(super) fn wants_upgrade(request: &Request<Incoming>) -> bool {
             .headers()
             .get_all(CONNECTION)
             .iter()
-            .any(|value| tokens(value).any(|token| token.eq_ignore_ascii_case("upgrade")))
+            .any(|value| tokens(value).any(|token| token.eq_ignore_ascii_case(b"upgrade")))
 }
 
 /// What the policy refuses in a target's response that hyper's client lets through: an unasked
@@ -179,76 +167,70 @@ pub(super) fn is_connect_success(response: &Response<Incoming>) -> bool {
             .is_some()
 }
 
-pub(super) fn tokens(value: &HeaderValue) -> impl Iterator<Item = &str> {
-    value
-        .to_str()
-        .unwrap_or("")
-        .split(',')
-        .map(str::trim)
-        .filter(|token| !token.is_empty())
+/// A header value's comma-separated tokens (the policy's reading).
+pub(super) fn tokens(value: &HeaderValue) -> impl Iterator<Item = &[u8]> {
+    policy::tokens(value.as_bytes())
 }
 
 /// Removes hop-by-hop headers: `Connection` and every header it names (never `Host`), and the
 /// fixed list. When `upgrading`, `Upgrade` and `Connection: upgrade` stay so the target sees the
 /// handshake; a request's `TE: trailers` stays (`request`), a response's `TE` goes.
-/// [`HOP_BY_HOP`]'s names as bits of a mask of those present.
-const CONNECTION_BIT: u8 = 1 << 0;
-const TE_BIT: u8 = 1 << 3;
-const UPGRADE_BIT: u8 = 1 << 5;
-
-/// The position of `name` in [`HOP_BY_HOP`]. Names are lowercase, and most headers have a
-/// length none of those has: rejected before any comparison.
-fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
-    let name = name.as_str();
-    if !matches!(name.len(), 2 | 7 | 10 | 14 | 16 | 17) {
-        return None;
-    }
-    HOP_BY_HOP.iter().position(|hop| hop.as_str() == name)
-}
-
 pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, upgrading: bool, request: bool) {
-    // Which of the fixed names are there: one pass over the names, and most messages carry
-    // none. (Headers named by `Connection` matter only when there is a `Connection`.)
+    // Which hop-by-hop headers are there (the policy's roles, as bits): one pass over the
+    // names, and most messages carry none.
+    let bit = |role: Role| match role {
+        Role::Connection => 1u8,
+        Role::Te => 2,
+        Role::Upgrade => 4,
+        Role::TransferEncoding => 8,
+        _ => 16,
+    };
     let mut present = 0u8;
     for name in headers.keys() {
-        if let Some(index) = hop_by_hop_index(name) {
-            present |= 1 << index;
+        let role = policy::role(name.as_str());
+        if policy::is_hop_by_hop(role) {
+            present |= bit(role);
         }
     }
     if present == 0 {
         return;
     }
-    // The usual tokens (`keep-alive`, `close`, `upgrade`) name no header to remove beyond the
-    // fixed ones: no allocation for them.
-    let named: Vec<HeaderName> = match present & CONNECTION_BIT != 0 {
+    // The usual tokens (`keep-alive`, `close`) name no header: no allocation for them. (One
+    // that names a hop-by-hop header is removed twice, which does no harm.)
+    let named: Vec<HeaderName> = match present & bit(Role::Connection) != 0 {
         true => headers
             .get_all(CONNECTION)
             .iter()
             .flat_map(tokens)
-            .filter(|token| {
-                policy::names_a_header(token.as_bytes())
-                    && !HOP_BY_HOP
-                        .iter()
-                        .any(|hop| token.eq_ignore_ascii_case(hop.as_str()))
-            })
-            .filter_map(|token| HeaderName::from_bytes(token.as_bytes()).ok())
+            .filter(|token| policy::names_a_header(token))
+            .filter_map(|token| HeaderName::from_bytes(token).ok())
             .collect(),
         false => Vec::new(),
     };
-    let upgrade = (upgrading && present & UPGRADE_BIT != 0)
+    let upgrade = (upgrading && present & bit(Role::Upgrade) != 0)
         .then(|| headers.get(UPGRADE).cloned())
         .flatten();
     let trailers = request
-        && present & TE_BIT != 0
+        && present & bit(Role::Te) != 0
         && headers
             .get_all(TE)
             .iter()
-            .any(|value| tokens(value).any(|t| t.eq_ignore_ascii_case("trailers")));
+            .any(|value| tokens(value).any(|t| t.eq_ignore_ascii_case(b"trailers")));
     for name in named {
         headers.remove(name);
     }
-    for (index, name) in HOP_BY_HOP.iter().enumerate() {
-        if present & (1 << index) != 0 {
+    for (role, name) in [
+        (Role::Connection, CONNECTION.as_str()),
+        (Role::Te, TE.as_str()),
+        (Role::Upgrade, UPGRADE.as_str()),
+        (Role::TransferEncoding, TRANSFER_ENCODING.as_str()),
+    ] {
+        if present & bit(role) != 0 {
+            headers.remove(name);
+        }
+    }
+    if present & bit(Role::HopByHop) != 0 {
+        for name in policy::DROPPED {
             headers.remove(name);
         }
     }
@@ -359,20 +341,5 @@ mod tests {
         ] {
             assert_eq!(lengths(bad), Err(()), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn the_named_bits_are_the_names_positions() {
-        for (bit, name) in [
-            (CONNECTION_BIT, CONNECTION),
-            (TE_BIT, TE),
-            (UPGRADE_BIT, UPGRADE),
-        ] {
-            assert_eq!(1 << hop_by_hop_index(&name).unwrap(), bit, "{name}");
-        }
-        for name in &HOP_BY_HOP {
-            assert!(hop_by_hop_index(name).is_some(), "{name}");
-        }
-        assert_eq!(hop_by_hop_index(&hyper::header::CONTENT_LENGTH), None);
     }
 }

@@ -61,6 +61,9 @@ pub(super) fn role(name: &str) -> Role {
     }
 }
 
+/// The headers of [`Role::HopByHop`], dropped wherever they are.
+pub(super) const DROPPED: [&str; 3] = ["keep-alive", "proxy-connection", "http2-settings"];
+
 /// Whether a header of this role is removed on the way through (RFC 9110 section 7.6.1), the
 /// ones a `Connection` names aside.
 #[inline]
@@ -436,6 +439,19 @@ impl Synthetic {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_dropped_names_are_the_hop_by_hop_role() {
+        for name in DROPPED {
+            assert_eq!(role(name), Role::HopByHop, "{name}");
+            assert_eq!(role(&name.to_uppercase()), Role::HopByHop, "{name}");
+        }
+        for name in ["connection", "te", "upgrade", "transfer-encoding"] {
+            assert!(is_hop_by_hop(role(name)), "{name}");
+        }
+        assert!(!is_hop_by_hop(role("content-length")));
+        assert!(!is_hop_by_hop(role("host")));
+    }
 
     #[test]
     fn connection_never_names_host_and_any_number_of_tokens_is_read() {
