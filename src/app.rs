@@ -17,6 +17,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tracing::{info, warn};
 
 use crate::admin::{self, Admin};
+use crate::close_spread;
 use crate::config::{Config, Direction, LameDuck as LameDuckPolicy, OutboundShutdown, Route};
 use crate::conns::Connections;
 use crate::drain::{Drain, Phase, ShutdownReason, signal_name};
@@ -257,6 +258,7 @@ impl Bound {
                 inbound_routes,
                 lame_duck.clone(),
                 config.shutdown_grace_period,
+                config.close_spread_window,
             ));
             info!(path = %path.display(), "control socket listening (inbound quiesce for preStop hooks)");
             tokio::spawn(quiesce::serve(socket, path, inbound));
@@ -312,6 +314,21 @@ impl Running {
         );
         let sequence = drain_sequence(drain, config, &self.lame_duck);
         tokio::pin!(sequence);
+        // The last part of the grace period: what is still open then is ended one by one.
+        let spread = async {
+            let window = config.close_spread_window;
+            let (inbound, outbound) = (
+                drain.side(Direction::Inbound),
+                drain.side(Direction::Outbound),
+            );
+            let conns = &self.conns;
+            tokio::join!(
+                close_spread::open(&inbound, Direction::Inbound, conns, window, deadline),
+                close_spread::open(&outbound, Direction::Outbound, conns, window, deadline),
+            );
+            std::future::pending::<()>().await
+        };
+        tokio::pin!(spread);
         let mut progress =
             tokio::time::interval_at((started + PROGRESS_INTERVAL).into(), PROGRESS_INTERVAL);
         loop {
@@ -326,6 +343,8 @@ impl Running {
                     self.force_close("the grace period ran out").await;
                     return Exit::Graceful;
                 }
+                // Never resolves: it opens the close-spread window when its time comes.
+                () = &mut spread => {}
                 // A second SIGTERM or SIGINT: stop now.
                 signal = signals.next() => {
                     warn!(signal = signal_name(signal), "second shutdown signal: stopping now");
@@ -355,7 +374,8 @@ impl Running {
             connections = survivors.len(),
             "{why}: resetting the remaining connections"
         );
-        self.metrics.force_closed(survivors.len() as u64);
+        self.metrics
+            .force_closed(survivors.iter().map(|conn| conn.protocol()));
         self.drain.force_close();
         let closed = tokio::time::timeout(FORCE_CLOSE_WAIT, self.drain.drained()).await;
         for conn in &survivors {

@@ -32,6 +32,10 @@ pub const DEFAULT_LAME_DUCK_PERIOD: Duration = Duration::ZERO;
 pub const DEFAULT_LAME_DUCK_QUIET_WINDOW: Duration = Duration::from_secs(1);
 /// An adaptive lame duck lasts at least this long, however quiet.
 pub const DEFAULT_LAME_DUCK_MIN: Duration = Duration::from_secs(2);
+/// The close-spread window when none is asked for (and at most the grace period): the part of
+/// the grace period, at its end, over which the connections still open are ended one by one
+/// (docs/lifecycle.md says why this figure).
+pub const DEFAULT_CLOSE_SPREAD_WINDOW: Duration = Duration::from_secs(10);
 /// How long a connection to a target may take.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an `auto` route waits for a client's first bytes before forwarding it as TCP.
@@ -85,6 +89,12 @@ pub struct ProxyArgs {
     /// [env: LAMEDUCK_SHUTDOWN_GRACE_PERIOD] [default: 120s]
     #[arg(long, value_name = "DURATION")]
     pub shutdown_grace_period: Option<String>,
+
+    /// The last part of the grace period, in which the connections still open are ended one by
+    /// one, evenly spread, each as cleanly as its protocol allows; 0s resets them all at the
+    /// deadline [env: LAMEDUCK_CLOSE_SPREAD_WINDOW] [default: 10s, at most the grace period]
+    #[arg(long, value_name = "DURATION")]
+    pub close_spread_window: Option<String>,
 
     /// How long listeners keep accepting after the shutdown trigger, asking every HTTP
     /// connection to go away [env: LAMEDUCK_LAME_DUCK_PERIOD] [default: 0s]
@@ -386,6 +396,8 @@ pub struct Config {
     pub routes: Vec<Arc<Route>>,
     pub admin: SocketAddr,
     pub shutdown_grace_period: Duration,
+    /// The last part of the grace period, in which open connections are ended one by one.
+    pub close_spread_window: Duration,
     pub lame_duck: LameDuck,
     /// Peers whose new connections do not count as arrivals of an adaptive lame duck.
     pub lame_duck_ignore_sources: Vec<Cidr>,
@@ -525,6 +537,11 @@ const GRACE: Setting = Setting {
     flag: "--shutdown-grace-period",
     var: "LAMEDUCK_SHUTDOWN_GRACE_PERIOD",
     example: "90s, 2m or 1m 30s",
+};
+const CLOSE_SPREAD_WINDOW: Setting = Setting {
+    flag: "--close-spread-window",
+    var: "LAMEDUCK_CLOSE_SPREAD_WINDOW",
+    example: "10s, or 0s to reset at the deadline",
 };
 const LAME_DUCK: Setting = Setting {
     flag: "--lame-duck-period",
@@ -741,6 +758,22 @@ impl Config {
             }
             Ok(duration)
         };
+        let close_spread_window = match lookup(&CLOSE_SPREAD_WINDOW, args.close_spread_window)? {
+            Some(raw) => {
+                let window = parse_duration(&raw, CLOSE_SPREAD_WINDOW.example)?;
+                if window > shutdown_grace_period {
+                    return Err(raw.error(
+                        format!(
+                            "the close-spread window is the end of the shutdown grace period ({}) and must not be longer",
+                            humantime::format_duration(shutdown_grace_period)
+                        ),
+                        CLOSE_SPREAD_WINDOW.example,
+                    ));
+                }
+                window
+            }
+            None => DEFAULT_CLOSE_SPREAD_WINDOW.min(shutdown_grace_period),
+        };
         let period = lookup(&LAME_DUCK, args.lame_duck_period)?;
         let max = lookup(&LAME_DUCK_MAX, args.lame_duck_max)?;
         let quiet = lookup(&LAME_DUCK_QUIET, args.lame_duck_quiet_window)?;
@@ -955,6 +988,7 @@ impl Config {
             routes,
             admin,
             shutdown_grace_period,
+            close_spread_window,
             lame_duck,
             lame_duck_ignore_sources,
             outbound_shutdown,

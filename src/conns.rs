@@ -26,17 +26,21 @@ pub enum ConnProtocol {
     Tcp = 1,
     Http1 = 2,
     Http2 = 3,
-    /// An upgraded HTTP connection (WebSocket, CONNECT) forwarded as bytes.
+    /// An upgraded HTTP connection (CONNECT, an upgrade to a protocol other than WebSocket)
+    /// forwarded as bytes.
     Tunnel = 4,
+    /// An HTTP connection upgraded to WebSocket, forwarded frame by frame.
+    WebSocket = 5,
 }
 
 impl ConnProtocol {
-    pub const ALL: [ConnProtocol; 5] = [
+    pub const ALL: [ConnProtocol; 6] = [
         ConnProtocol::Detecting,
         ConnProtocol::Tcp,
         ConnProtocol::Http1,
         ConnProtocol::Http2,
         ConnProtocol::Tunnel,
+        ConnProtocol::WebSocket,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -46,6 +50,7 @@ impl ConnProtocol {
             ConnProtocol::Http1 => "http1",
             ConnProtocol::Http2 => "http2",
             ConnProtocol::Tunnel => "tunnel",
+            ConnProtocol::WebSocket => "websocket",
         }
     }
 
@@ -108,6 +113,9 @@ pub struct Connection {
     /// When its last request ended (its response went out whole, or failed), in milliseconds
     /// after `opened_at`; 0 before the first. How long an HTTP/1 connection has been idle.
     last_request_done_ms: AtomicU64,
+    /// When the close-spread window ends it, in microseconds after `opened_at`; 0 while it has
+    /// no time (src/close_spread.rs).
+    spread_at_us: AtomicU64,
 }
 
 impl Connection {
@@ -122,6 +130,23 @@ impl Connection {
             u64::try_from(ms).unwrap_or(u64::MAX).max(1),
             Ordering::Relaxed,
         );
+    }
+
+    /// Gives it its time in the close-spread window.
+    pub fn set_spread_at(&self, at: Instant) {
+        let us = at.saturating_duration_since(self.opened_at).as_micros();
+        self.spread_at_us.store(
+            u64::try_from(us).unwrap_or(u64::MAX).max(1),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Its time in the close-spread window, once it has one.
+    pub fn spread_at(&self) -> Option<Instant> {
+        match self.spread_at_us.load(Ordering::Relaxed) {
+            0 => None,
+            us => Some(self.opened_at + Duration::from_micros(us)),
+        }
     }
 
     /// Since when it has had no request: the end of its last one, or its opening.
@@ -243,6 +268,7 @@ impl Connections {
             bytes_to_peer: AtomicU64::new(0),
             requests_in_flight: AtomicU32::new(0),
             last_request_done_ms: AtomicU64::new(0),
+            spread_at_us: AtomicU64::new(0),
         });
         self.lock().insert(id, conn.clone());
         Registration {

@@ -122,6 +122,10 @@ pub struct Side {
     listeners_closed: CancellationToken,
     /// Tracks this side's connection tasks: [`Side::drained`] waits for them.
     connections: TaskTracker,
+    /// Cancelled by [`Side::spread_close`] when the close-spread window opens: each connection
+    /// still open then ends itself, as cleanly as its protocol allows, at the time the window
+    /// gave it (src/close_spread.rs).
+    spread: CancellationToken,
     /// Cancelled by [`Side::force_close`] (the inbound quiesce, when its grace period runs
     /// out), and as a child of the drain's own with everything else ([`Drain::force_close`]):
     /// this side's connections are reset now.
@@ -147,6 +151,7 @@ impl Side {
             accept_loops: TaskTracker::new(),
             listeners_closed: CancellationToken::new(),
             connections: TaskTracker::new(),
+            spread: CancellationToken::new(),
             terminate: terminate.child_token(),
             last_arrival: Mutex::new(None),
         }
@@ -207,6 +212,12 @@ impl Side {
         self.connections.wait().await;
     }
 
+    /// Opens the close-spread window: every connection of this side ends at its time (one each
+    /// connection was given before this call, or at once).
+    pub fn spread_close(&self) {
+        self.spread.cancel();
+    }
+
     /// Resets this side's connections now and closes its listeners without waiting.
     pub fn force_close(&self) {
         // Reset first: a connection task on another worker thread that saw `listeners_closed`
@@ -225,6 +236,7 @@ impl Side {
         ConnTokens {
             go_away: Watch(self.go_away.clone()),
             listeners_closed: Watch(self.listeners_closed.clone()),
+            spread: Watch(self.spread.clone()),
             terminate: Watch(self.terminate.clone()),
         }
     }
@@ -238,6 +250,8 @@ pub struct ConnTokens {
     /// Cancelled when the side's listeners have closed: idle HTTP/1 connections and clients
     /// that have not sent a byte are closed then.
     pub listeners_closed: Watch,
+    /// Cancelled when the close-spread window opens: the connection ends at its time.
+    pub spread: Watch,
     /// Cancelled when the connection must be reset now (grace period over, or "stop now").
     pub terminate: Watch,
 }

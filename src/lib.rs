@@ -11,6 +11,8 @@
 //! - [`conns`]: the registry of open connections behind `/connections` and the metrics;
 //!   [`metrics`]: Prometheus metrics; [`lame_duck`]: how long listeners keep accepting once
 //!   the shutdown or the inbound quiesce has started (fixed, or while connections arrive);
+//!   [`close_spread`]: the last part of the grace period, in which the connections still open
+//!   are ended one by one;
 //! - [`proxy`]: the data path: the accept loop, protocol detection, opaque TCP, and
 //!   [`proxy::http`] (serving HTTP/1 and HTTP/2, the proxy service, headers, bodies, the
 //!   clients towards targets);
@@ -21,6 +23,7 @@
 
 mod admin;
 pub mod app;
+mod close_spread;
 pub mod commands;
 pub mod config;
 mod conns;

@@ -98,6 +98,8 @@ pub struct Metrics {
     fast_lane_requests: Counter,
     /// Outbound requests sent again, or not for want of budget: by direction, reason, outcome.
     retries: Family<[(&'static str, &'static str); 3], Counter>,
+    /// Connections the shutdown ended, by protocol and how (clean, reset).
+    ended_at_shutdown: Family<[(&'static str, &'static str); 2], Counter>,
 }
 
 impl Metrics {
@@ -209,8 +211,15 @@ impl Metrics {
             "Outbound HTTP requests that got no answer and were sent again (outcome=retried) or not, the retry budget being spent (outcome=budget_exhausted), by why: not_connected (the connect failed), not_sent (the target refused the stream, or the request never left), unread (the target reset the connection with the request unread), may_have_reached (the connection closed before a response; idempotent requests without a body only)",
             retries.clone(),
         );
+        let ended_at_shutdown = Family::<[(&'static str, &'static str); 2], Counter>::default();
+        registry.register(
+            "connections_ended_at_shutdown",
+            "Connections still open when the close-spread window opened that it ended (how=clean: a FIN each way, a WebSocket Close frame, gRPC status 14, an HTTP/2 stream ended or cancelled, and the peers closed too), and connections reset when the grace period ran out or a second signal arrived (how=reset), by protocol",
+            ended_at_shutdown.clone(),
+        );
         registry.register_collector(Box::new(StateCollector { conns, drain }));
         Metrics {
+            ended_at_shutdown,
             retries,
             fast_lane_requests,
             lame_duck_seconds,
@@ -312,8 +321,20 @@ impl Metrics {
         self.lame_ducks.get_or_create(&[("ended", why)]).inc();
     }
 
-    pub fn force_closed(&self, count: u64) {
-        self.force_closed.inc_by(count);
+    /// Connections reset when the grace period ran out or a second signal arrived, by protocol.
+    pub fn force_closed(&self, protocols: impl Iterator<Item = ConnProtocol>) {
+        for protocol in protocols {
+            self.force_closed.inc();
+            self.ended_at_shutdown(protocol, false);
+        }
+    }
+
+    /// The close-spread window ended a connection: cleanly, or it was reset at the deadline.
+    pub fn ended_at_shutdown(&self, protocol: ConnProtocol, clean: bool) {
+        let how = if clean { "clean" } else { "reset" };
+        self.ended_at_shutdown
+            .get_or_create(&[("protocol", protocol.as_str()), ("how", how)])
+            .inc();
     }
 
     /// The exposition served on `/metrics`.

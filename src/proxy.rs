@@ -11,6 +11,7 @@ mod detect;
 pub(crate) mod http;
 mod quiet;
 mod tcp;
+mod websocket;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};

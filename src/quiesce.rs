@@ -40,6 +40,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
+use crate::close_spread;
 use crate::config::Direction;
 use crate::drain::Side;
 use crate::lame_duck::LameDuck;
@@ -89,6 +90,8 @@ pub struct InboundControl {
     /// The proxy's lame duck, shared with the shutdown and `/status`.
     lame_duck: Arc<LameDuck>,
     grace: Duration,
+    /// The close-spread window at the end of `grace`.
+    close_spread_window: Duration,
     state: tokio::sync::Mutex<State>,
     /// How many app containers hold a connection (legacy mode), and how many ever did.
     holds: watch::Sender<(usize, usize)>,
@@ -100,12 +103,14 @@ impl InboundControl {
         routes: Vec<Arc<ProxyRoute>>,
         lame_duck: Arc<LameDuck>,
         grace: Duration,
+        close_spread_window: Duration,
     ) -> InboundControl {
         InboundControl {
             proxy,
             routes,
             lame_duck,
             grace,
+            close_spread_window,
             state: tokio::sync::Mutex::new(State::Serving),
             holds: watch::Sender::new((0, 0)),
         }
@@ -170,21 +175,42 @@ impl InboundControl {
             "inbound quiesce: /ready 503, asking inbound connections to go away"
         );
         side.go_away();
+        let conns = &self.proxy.conns;
+        let window = self.close_spread_window;
         let drained = tokio::time::timeout_at(deadline.into(), async {
-            if shutting_down {
-                // The shutdown's own sequence runs the lame duck and closes the listeners.
-                side.listeners_closed().await;
-            } else {
-                self.lame_duck.run(std::slice::from_ref(side)).await;
-                side.close().await;
-                info!("inbound quiesce: inbound listeners closed, draining");
+            // The last part of the grace period: what is still open then is ended one by one.
+            let spread = async {
+                close_spread::open(side, Direction::Inbound, conns, window, deadline).await;
+                std::future::pending::<()>().await
+            };
+            let drain = async {
+                if shutting_down {
+                    // The shutdown's own sequence runs the lame duck and closes the listeners.
+                    side.listeners_closed().await;
+                } else {
+                    self.lame_duck.run(std::slice::from_ref(side)).await;
+                    side.close().await;
+                    info!("inbound quiesce: inbound listeners closed, draining");
+                }
+                side.drained().await;
+            };
+            tokio::select! {
+                () = spread => {}
+                () = drain => {}
             }
-            side.drained().await;
         })
         .await;
         let mut reset = 0;
         if drained.is_err() {
-            reset = self.inbound_open();
+            let survivors: Vec<_> = conns
+                .snapshot()
+                .into_iter()
+                .filter(|conn| conn.direction() == Direction::Inbound)
+                .collect();
+            reset = survivors.len();
+            self.proxy
+                .metrics
+                .force_closed(survivors.iter().map(|conn| conn.protocol()));
             side.force_close();
             let _ = tokio::time::timeout(RESET_WAIT, side.drained()).await;
         }

@@ -10,6 +10,7 @@
 mod body;
 mod client;
 mod context;
+mod ending;
 mod h1;
 mod header_block;
 mod headers;

@@ -1,20 +1,24 @@
 //! Opaque TCP forwarding: connect to the route's target, copy bytes both ways with half-closes
-//! passed on, count them, and reset both sockets when the drain says terminate.
+//! passed on, count them, end the stream when the close-spread window gives it its time, and
+//! reset both sockets when the drain says terminate.
 //!
-//! A connection that is still open when the grace period runs out is reset (SO_LINGER 0), and
-//! so is one whose other side failed: a peer must never mistake a broken stream for a complete
+//! In the close-spread window a stream is ended with a FIN each way (a WebSocket with a Close
+//! frame first); a connection that is still open when the grace period runs out is reset
+//! (SO_LINGER 0), and so is one whose other side failed: a peer must never mistake a broken stream for a complete
 //! one. A clean FIN from one side becomes a FIN to the other, and the reverse direction keeps
 //! flowing until it finishes too.
 
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
 use super::ProxyContext;
 use super::quiet::Quiet;
+use super::websocket::{self, Frames};
+use crate::close_spread;
 use crate::config::Target;
 use crate::conns::{ConnProtocol, ConnState, Connection, Registration};
 use crate::drain::{ConnTokens, Watch};
@@ -61,28 +65,48 @@ pub async fn forward(
     conn.set_state(ConnState::Open);
     debug!("forwarding");
 
-    pipe(client, target, conn, &tokens.terminate, proxy).await;
+    let watches = (&tokens.spread, &tokens.terminate);
+    pipe(client, target, conn, watches, proxy, Framing::Bytes).await;
+}
+
+/// What a tunnel carries, as far as ending it goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framing {
+    /// Bytes: a TCP stream, a CONNECT tunnel, an upgrade to another protocol.
+    Bytes,
+    /// WebSocket frames, followed as they go (src/proxy/websocket.rs).
+    WebSocket,
 }
 
 /// Copies between a client and a target until both finish, one fails (both are reset), a
 /// bound of `shared.tcp` is met (both are reset: half-closed by one side with nothing from the
-/// other, or idle), or `terminate` is cancelled (both are reset). Used for TCP routes and for
-/// HTTP tunnels.
+/// other, or idle), the close-spread window gives the connection its time (see [`end`]), or
+/// `terminate` is cancelled (both are reset). Used for TCP routes and for HTTP tunnels.
 pub async fn pipe(
     client: TcpStream,
     target: TcpStream,
     conn: &Arc<Connection>,
-    terminate: &Watch,
+    (spread, terminate): (&Watch, &Watch),
     proxy: &ProxyContext,
+    framing: Framing,
 ) {
-    let upstream = copy_one_way(&client, &target, &conn.bytes_from_peer, || {
-        conn.set_state(ConnState::PeerClosed)
-    });
-    let downstream = copy_one_way(&target, &client, &conn.bytes_to_peer, || {
+    let stop = AtomicBool::new(false);
+    let frames = (framing == Framing::WebSocket).then(Frames::default);
+    let upstream = copy_one_way(
+        &client,
+        &target,
+        &conn.bytes_from_peer,
+        &stop,
+        frames,
+        || conn.set_state(ConnState::PeerClosed),
+    );
+    let downstream = copy_one_way(&target, &client, &conn.bytes_to_peer, &stop, frames, || {
         conn.set_state(ConnState::TargetClosed)
     });
     tokio::pin!(upstream, downstream);
-    let (mut upstream_done, mut downstream_done) = (false, false);
+    let slot = close_spread::at_slot(spread, conn);
+    tokio::pin!(slot);
+    let (mut up, mut down): (Option<Copied>, Option<Copied>) = (None, None);
     let from_peer = || conn.bytes_from_peer.load(Ordering::Relaxed);
     let to_peer = || conn.bytes_to_peer.load(Ordering::Relaxed);
     let moved = || from_peer() + to_peer();
@@ -92,59 +116,148 @@ pub async fn pipe(
         .map(|limit| Quiet::new(limit, moved()));
     // Once one direction has finished: the bound on the other, and its counter.
     let mut half_closed: Option<(Quiet, &AtomicU64)> = None;
+    let mut ending = false;
     let outcome = loop {
+        if let (Some(_), Some(_)) = (&up, &down) {
+            break Ok(());
+        }
         tokio::select! {
             // The grace period ran out, or a second signal asked to stop now.
             _ = terminate.cancelled() => break Err(io::Error::other("terminated by the shutdown")),
-            // The client finished sending (FIN passed on), or failed.
-            copied = &mut upstream, if !upstream_done => match copied {
+            // Its time in the close-spread window: each direction stops at its next read (a
+            // WebSocket's, at its next frame boundary).
+            () = &mut slot, if !ending => {
+                ending = true;
+                stop.store(true, Ordering::Relaxed);
+                debug!("close spread: ending the stream");
+            }
+            // The client finished sending (FIN passed on), stopped, or failed.
+            copied = &mut upstream, if up.is_none() => match copied {
                 Err(error) => break Err(error),
-                Ok(()) if downstream_done => break Ok(()),
-                Ok(()) => {
-                    upstream_done = true;
-                    half_closed = proxy.tcp.half_close_timeout
-                        .map(|limit| (Quiet::new(limit, to_peer()), &conn.bytes_to_peer));
+                Ok(copied) => {
+                    if copied.eof && down.is_none() {
+                        half_closed = proxy.tcp.half_close_timeout
+                            .map(|limit| (Quiet::new(limit, to_peer()), &conn.bytes_to_peer));
+                    }
+                    up = Some(copied);
                 }
             },
-            // The target finished sending (FIN passed on), or failed.
-            copied = &mut downstream, if !downstream_done => match copied {
+            // The target finished sending (FIN passed on), stopped, or failed.
+            copied = &mut downstream, if down.is_none() => match copied {
                 Err(error) => break Err(error),
-                Ok(()) if upstream_done => break Ok(()),
-                Ok(()) => {
-                    downstream_done = true;
-                    half_closed = proxy.tcp.half_close_timeout
-                        .map(|limit| (Quiet::new(limit, from_peer()), &conn.bytes_from_peer));
+                Ok(copied) => {
+                    if copied.eof && up.is_none() {
+                        half_closed = proxy.tcp.half_close_timeout
+                            .map(|limit| (Quiet::new(limit, from_peer()), &conn.bytes_from_peer));
+                    }
+                    down = Some(copied);
                 }
             },
             // Half-closed, and the other side sent nothing for the bound.
             () = async {
                 let (quiet, counter) = half_closed.as_mut().expect("guarded");
                 quiet.expired(|| counter.load(Ordering::Relaxed), || false).await;
-            }, if half_closed.is_some() => {
+            }, if half_closed.is_some() && !ending => {
                 proxy.metrics.timed_out(Timeout::TcpHalfClose);
                 break Err(io::Error::new(io::ErrorKind::TimedOut, "half-closed, and nothing from the other side"));
             }
             // No byte either way for the bound.
             () = async {
                 idle.as_mut().expect("guarded").expired(moved, || false).await;
-            }, if idle.is_some() => {
+            }, if idle.is_some() && !ending => {
                 proxy.metrics.timed_out(Timeout::TcpIdle);
                 break Err(io::Error::new(io::ErrorKind::TimedOut, "idle"));
             }
         }
     };
-    match outcome {
-        Ok(()) => debug!(
+    match (outcome, up, down) {
+        (Ok(()), Some(up), Some(down)) if ending => {
+            let ended = tokio::select! {
+                _ = terminate.cancelled() => None,
+                ended = end(&client, &target, up, down) => Some(ended),
+            };
+            let clean = ended == Some(true);
+            debug!(clean, "close spread: stream ended");
+            if clean {
+                proxy.metrics.ended_at_shutdown(conn.protocol(), true);
+            } else {
+                reset(&client);
+                reset(&target);
+            }
+        }
+        (Ok(()), _, _) => debug!(
             bytes_from_peer = conn.bytes_from_peer.load(Ordering::Relaxed),
             bytes_to_peer = conn.bytes_to_peer.load(Ordering::Relaxed),
             "closed"
         ),
-        Err(error) => {
+        (Err(error), _, _) => {
             debug!(%error, "resetting both sides");
             reset(&client);
             reset(&target);
         }
     }
+}
+
+/// Ends a stream both of whose directions have stopped for the close-spread window, each side
+/// as its protocol allows: for a WebSocket, a Close frame (1001) to each side that has not had
+/// one, then that side's own Close frame awaited; then a FIN to each side, and what it still
+/// sends read and dropped until it closes too (a socket closed with bytes unread would send a
+/// reset). Returns whether both sides closed cleanly.
+async fn end(client: &TcpStream, target: &TcpStream, up: Copied, down: Copied) -> bool {
+    // The client's side: what came from it is `up`, what went to it `down`.
+    let (to_client, to_target) = ((down.eof, down.frames), (up.eof, up.frames));
+    let client_side = end_side(client, to_client, up, websocket::close_frame_to_client);
+    let target_side = end_side(target, to_target, down, websocket::close_frame_to_server);
+    let (client_ended, target_ended) = tokio::join!(client_side, target_side);
+    client_ended.is_ok() && target_ended.is_ok()
+}
+
+/// Ends one side of a stream: `to` is how what the proxy sent it stopped (the other side's
+/// FIN went to it; the frames that went to it), `from` how what it sent stopped.
+async fn end_side(
+    socket: &TcpStream,
+    (fin_sent, sent): (bool, Option<Frames>),
+    from: Copied,
+    close_frame: fn() -> Vec<u8>,
+) -> io::Result<()> {
+    let Copied {
+        eof: mut closed,
+        frames,
+        leftover,
+    } = from;
+    if !fin_sent {
+        if let (Some(sent), Some(mut received)) = (sent, frames) {
+            if !sent.closed() {
+                write_all(socket, &close_frame()).await?;
+            }
+            // Its Close frame answers, unless it sent one already or closed.
+            received.follow(&leftover, false);
+            while !received.closed() && !closed {
+                match read_some(socket).await? {
+                    None => closed = true,
+                    Some(bytes) => {
+                        received.follow(&bytes, false);
+                    }
+                }
+            }
+        }
+        socket2::SockRef::from(socket).shutdown(std::net::Shutdown::Write)?;
+    }
+    if !closed {
+        discard(socket).await;
+    }
+    Ok(())
+}
+
+/// How one direction of a stream stopped, without an error.
+#[derive(Debug)]
+struct Copied {
+    /// The sender closed (its FIN went on).
+    eof: bool,
+    /// Where the sender's WebSocket frames stand, if it speaks WebSocket.
+    frames: Option<Frames>,
+    /// Bytes read from the sender past the frame boundary it stopped at, not passed on.
+    leftover: Vec<u8>,
 }
 
 /// Bytes moved per read: large enough for bulk transfers to need few system calls.
@@ -157,59 +270,113 @@ thread_local! {
         std::cell::RefCell::new(vec![0u8; SCRATCH_SIZE].into_boxed_slice());
 }
 
-/// Copies `from` → `to` until `from` sends its FIN (passed on as a FIN to `to`) or either
-/// fails. Bytes that `to` cannot take at once are the only ones kept per connection, until
-/// they are written.
+/// Copies `from` → `to` until `from` sends its FIN (passed on as a FIN to `to`), `stop` is
+/// set (checked before each read; a WebSocket stops at the first frame boundary after it), or
+/// either fails. Bytes that `to` cannot take at once are the only ones kept per connection,
+/// until they are written.
 async fn copy_one_way(
     from: &TcpStream,
     to: &TcpStream,
     counter: &std::sync::atomic::AtomicU64,
+    stop: &AtomicBool,
+    mut frames: Option<Frames>,
     on_eof: impl Fn(),
-) -> io::Result<()> {
+) -> io::Result<Copied> {
     let mut backlog: Vec<u8> = Vec::new();
+    let mut leftover = Vec::new();
     loop {
-        from.readable().await?;
-        let read = SCRATCH.with(|scratch| -> io::Result<Option<usize>> {
+        // The task that polls this is woken when `stop` is set: it polls every branch again.
+        let stopping = std::future::poll_fn(|cx| {
+            let stopping = stop.load(Ordering::Relaxed);
+            if stopping && frames.is_none_or(|frames| frames.at_boundary()) {
+                return std::task::Poll::Ready(Ok(None));
+            }
+            from.poll_read_ready(cx).map_ok(|()| Some(stopping))
+        })
+        .await?;
+        let Some(stopping) = stopping else {
+            return Ok(Copied {
+                eof: false,
+                frames,
+                leftover,
+            });
+        };
+        let read = SCRATCH.with(|scratch| -> io::Result<Option<(usize, usize)>> {
             let mut scratch = scratch.borrow_mut();
             let n = match from.try_read(&mut scratch) {
                 Ok(n) => n,
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => return Ok(None),
                 Err(error) => return Err(error),
             };
+            // Stopping mid-frame: pass on the bytes up to the frame's end, keep the rest.
+            let mut pass = n;
+            if let Some(frames) = frames.as_mut() {
+                pass = frames.follow(&scratch[..n], stopping);
+                if stopping {
+                    leftover.extend_from_slice(&scratch[pass..n]);
+                }
+            }
             let mut written = 0;
-            while written < n {
-                match to.try_write(&scratch[written..n]) {
+            while written < pass {
+                match to.try_write(&scratch[written..pass]) {
                     Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                     Ok(w) => written += w,
                     Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
                     Err(error) => return Err(error),
                 }
             }
-            backlog.extend_from_slice(&scratch[written..n]);
-            Ok(Some(n))
+            backlog.extend_from_slice(&scratch[written..pass]);
+            Ok(Some((n, pass)))
         })?;
         match read {
             None => continue,
-            Some(0) => {
+            Some((0, _)) => {
                 socket2::SockRef::from(to).shutdown(std::net::Shutdown::Write)?;
                 on_eof();
-                return Ok(());
+                return Ok(Copied {
+                    eof: true,
+                    frames,
+                    leftover,
+                });
             }
-            Some(n) => counter.fetch_add(n as u64, Ordering::Relaxed),
+            Some((_, pass)) => counter.fetch_add(pass as u64, Ordering::Relaxed),
         };
         // The receiver is slow: finish this chunk before reading more (backpressure).
-        let mut written = 0;
-        while written < backlog.len() {
-            to.writable().await?;
-            match to.try_write(&backlog[written..]) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(w) => written += w,
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-                Err(error) => return Err(error),
-            }
-        }
+        write_all(to, &backlog).await?;
         if !backlog.is_empty() {
             backlog = Vec::new();
+        }
+    }
+}
+
+/// Writes all of `bytes`, waiting for the socket as long as it takes.
+pub(crate) async fn write_all(stream: &TcpStream, bytes: &[u8]) -> io::Result<()> {
+    let mut written = 0;
+    while written < bytes.len() {
+        stream.writable().await?;
+        match stream.try_write(&bytes[written..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(w) => written += w,
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(())
+}
+
+/// The next bytes `from` sends, or `None` at its FIN.
+async fn read_some(from: &TcpStream) -> io::Result<Option<Vec<u8>>> {
+    loop {
+        from.readable().await?;
+        let read = SCRATCH.with(|scratch| {
+            let mut scratch = scratch.borrow_mut();
+            from.try_read(&mut scratch)
+                .map(|n| (n > 0).then(|| scratch[..n].to_vec()))
+        });
+        match read {
+            Ok(bytes) => return Ok(bytes),
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+            Err(error) => return Err(error),
         }
     }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use futures_util::task::AtomicWaker;
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 use super::body::BodyWatcher;
 use super::client::Upstream;
@@ -40,8 +41,13 @@ pub struct ConnCtx {
     pub version: HttpVersion,
     /// Cancelled when this connection must ask its client to go away.
     pub go_away: Watch,
+    /// Cancelled when the close-spread window opens; tunnels watch it too.
+    pub spread: Watch,
     /// Cancelled when the connection must be reset now; tunnels watch it too.
     pub terminate: Watch,
+    /// HTTP/2: cancelled at the connection's time in the close-spread window, when its open
+    /// streams end (src/proxy/http/ending.rs).
+    pub(super) ending: Option<CancellationToken>,
     /// Set at the first request; HTTP/2 connections opened during the lame-duck period wait
     /// for it before sending GOAWAY.
     pub(super) requests_seen: AtomicBool,
@@ -108,7 +114,9 @@ impl ConnCtx {
             proxy,
             version,
             go_away: tokens.go_away.clone(),
+            spread: tokens.spread.clone(),
             terminate: tokens.terminate.clone(),
+            ending: (version == HttpVersion::Http2).then(CancellationToken::new),
             requests_seen: AtomicBool::new(false),
             first_request: Notify::new(),
             requests_started: AtomicU64::new(0),

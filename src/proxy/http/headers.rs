@@ -25,6 +25,15 @@ pub(super) fn wants_upgrade(request: &Request<Incoming>) -> bool {
             .any(|value| tokens(value).any(|token| token.eq_ignore_ascii_case(b"upgrade")))
 }
 
+/// An upgrade to WebSocket (RFC 6455 section 4.1): its tunnel is followed frame by frame.
+pub(super) fn is_websocket(request: &Request<Incoming>) -> bool {
+    request
+        .headers()
+        .get_all(UPGRADE)
+        .iter()
+        .any(|value| tokens(value).any(|token| token.eq_ignore_ascii_case(b"websocket")))
+}
+
 /// What the policy refuses in a target's response that hyper's client lets through: an unasked
 /// `101`, a transfer coding other than one `chunked`, a bad `Content-Length`. A response framed
 /// by its coding loses its `Content-Length` (RFC 9112 section 6.3: the coding wins, and a length

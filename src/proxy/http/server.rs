@@ -29,6 +29,7 @@ use super::context::{ConnCtx, HttpVersion};
 use super::h1;
 use super::io::{ServerIo, linger};
 use super::service;
+use crate::close_spread;
 use crate::conns::{ConnProtocol, ConnState, Registration};
 use crate::drain::{ConnTokens, Watch};
 use crate::metrics::Timeout;
@@ -137,6 +138,9 @@ async fn serve_http2(
         .h2_idle_timeout
         .map(|limit| Quiet::new(limit, started()));
     let mut closed_by: Option<tokio::time::Instant> = None;
+    let slot = close_spread::at_slot(&ctx.spread, ctx.conn());
+    tokio::pin!(slot);
+    let mut ending = false;
     loop {
         let first_seen = ctx.requests_seen.load(Ordering::Acquire);
         tokio::select! {
@@ -145,7 +149,25 @@ async fn serve_http2(
                 if let Err(error) = served {
                     debug!(%error, "HTTP/2 connection ended with an error");
                 }
+                if ending {
+                    debug!("close spread: HTTP/2 connection ended");
+                    ctx.proxy.metrics.ended_at_shutdown(ConnProtocol::Http2, true);
+                }
                 return false;
+            }
+            // Its time in the close-spread window: every open stream ends as its kind allows
+            // (ending.rs); GOAWAY went at the start of the drain, so h2 closes the connection
+            // once the last stream has ended.
+            () = &mut slot, if !ending => {
+                ending = true;
+                debug!("close spread: ending the HTTP/2 connection's streams");
+                if let Some(token) = &ctx.ending {
+                    token.cancel();
+                }
+                if !sent_go_away {
+                    sent_go_away = true;
+                    connection.as_mut().graceful_shutdown();
+                }
             }
             // The shutdown asks this connection to go away: GOAWAY, then streams finish.
             () = &mut go_away, if !sent_go_away => {

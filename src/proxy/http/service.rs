@@ -8,7 +8,6 @@
 //! too (hyper aborts the HTTP/1 connection or resets the HTTP/2 stream): never a response that
 //! looks complete.
 
-use std::convert::Infallible;
 use std::io;
 use std::pin::{Pin, pin};
 use std::sync::atomic::Ordering;
@@ -32,9 +31,10 @@ use tracing::{Instrument, debug};
 use super::body::{BodyError, BodyStalled, Held, Payload, RequestBodyGuard, Stall, reached_end};
 use super::client::{Lease, SendError, Upstream};
 use super::context::{ConnCtx, HttpVersion};
+use super::ending::{self, Ending, Step};
 use super::headers::{
-    absolute_uri, check_framing, check_response, is_connect_success, origin_form, strip_hop_by_hop,
-    wants_upgrade,
+    absolute_uri, check_framing, check_response, is_connect_success, is_websocket, origin_form,
+    strip_hop_by_hop, wants_upgrade,
 };
 use super::io::ServerIo;
 use super::policy::{self, BadResponse, Synthetic, Unanswered};
@@ -50,7 +50,7 @@ use crate::sync::lock;
 pub fn handle(
     ctx: Arc<ConnCtx>,
     request: Request<Incoming>,
-) -> impl Future<Output = Result<Response<ProxyBody>, Infallible>> {
+) -> impl Future<Output = Result<Response<ProxyBody>, BodyError>> {
     ctx.request_started();
     let in_flight = InFlight::start(&ctx);
     // Watched from the start: a body dropped unread on any path below is noticed.
@@ -73,7 +73,7 @@ fn forward(
     mut request: Request<Incoming>,
     in_flight: InFlight,
     mut body_watch: Option<RequestBodyGuard>,
-) -> impl Future<Output = Result<Response<ProxyBody>, Infallible>> {
+) -> impl Future<Output = Result<Response<ProxyBody>, BodyError>> {
     async move {
         if let Err(refused) = check_framing(&request, ctx.version) {
             // The rest of what the client sent cannot be trusted to be framed right.
@@ -81,8 +81,10 @@ fn forward(
         }
         let version = request.version();
         let is_head = request.method() == Method::HEAD;
+        let grpc = ctx.version == HttpVersion::Http2 && ending::is_grpc(request.headers());
         let upgrading = ctx.version == HttpVersion::Http1 && wants_upgrade(&request);
         let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut request));
+        let upgrading_to_websocket = upgrading && is_websocket(&request);
         strip_hop_by_hop(request.headers_mut(), upgrading, true);
         if ctx.closing() && !upgrading && request.version() != Version::HTTP_2 {
             // The pooled connection to the target closes once this request is done.
@@ -132,21 +134,37 @@ fn forward(
         let mut sent = pin!(send(upstream, ctx.version, request.map(payload)));
         let mut limit = pin!(ctx.proxy.http.response_timeout.map(tokio::time::sleep));
         let interim = &ctx.interim;
+        // HTTP/2: the connection's time in the close-spread window may come first.
+        let mut ended = pin!(async {
+            match &ctx.ending {
+                Some(ending) => ending.cancelled().await,
+                None => std::future::pending().await,
+            }
+        });
         let responded = std::future::poll_fn(|cx| {
             if ctx.version == HttpVersion::Http1 {
                 interim.register(cx.waker());
             }
             if let Poll::Ready(result) = sent.as_mut().poll(cx) {
-                return Poll::Ready(Some(result));
+                return Poll::Ready(Waited::Response(result));
+            }
+            if ended.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Waited::Ended);
             }
             match limit.as_mut().as_pin_mut() {
-                Some(sleep) => sleep.poll(cx).map(|()| None),
+                Some(sleep) => sleep.poll(cx).map(|()| Waited::TimedOut),
                 None => Poll::Pending,
             }
         });
-        let Some(result) = responded.await else {
-            let answer = Synthetic::no_response_in_time(target);
-            return Ok(error_response(&ctx, answer, in_flight));
+        let result = match responded.await {
+            Waited::Response(result) => result,
+            Waited::TimedOut => {
+                let answer = Synthetic::no_response_in_time(target);
+                return Ok(error_response(&ctx, answer, in_flight));
+            }
+            // Dropping the request cancels it at the app.
+            Waited::Ended if grpc => return Ok(grpc_unavailable(in_flight, &ctx)),
+            Waited::Ended => return Err(ending::cancel()),
         };
         let (mut response, lease) = match result {
             Ok(sent) => sent,
@@ -180,7 +198,11 @@ fn forward(
                     response.headers_mut().remove(TRANSFER_ENCODING);
                 }
                 let target_upgrade = hyper::upgrade::on(&mut response);
-                spawn_tunnel(&ctx, client_upgrade, target_upgrade);
+                let framing = match upgrading_to_websocket {
+                    true => tcp::Framing::WebSocket,
+                    false => tcp::Framing::Bytes,
+                };
+                spawn_tunnel(&ctx, client_upgrade, target_upgrade, framing);
                 true
             }
             _ => false,
@@ -210,6 +232,17 @@ fn forward(
                 }
                 lease
             });
+        // HTTP/2: how the body ends if it is still open at the connection's time.
+        let ending = ctx.ending.as_ref().map(|token| {
+            let kind = if grpc {
+                ending::Kind::Grpc(ending::Messages::default())
+            } else if response.headers().contains_key(CONTENT_LENGTH) {
+                ending::Kind::Sized
+            } else {
+                ending::Kind::Open
+            };
+            Ending::new(token.clone(), kind)
+        });
         Ok(response.map(|body| ProxyBody {
             payload: Payload::Stream(
                 body,
@@ -220,6 +253,7 @@ fn forward(
             ),
             _in_flight: Some(in_flight),
             lease,
+            ending,
         }))
     }
 }
@@ -472,6 +506,7 @@ fn error_response(ctx: &ConnCtx, answer: Synthetic, in_flight: InFlight) -> Resp
         payload: Payload::Bytes(Some(Bytes::from(answer.body))),
         _in_flight: None,
         lease: None,
+        ending: None,
     });
     *response.status_mut() = answer.status;
     response.headers_mut().insert(
@@ -488,11 +523,36 @@ fn error_response(ctx: &ConnCtx, answer: Synthetic, in_flight: InFlight) -> Resp
     response
 }
 
+/// A gRPC call whose connection's time in the close-spread window came before its response:
+/// a trailers-only response, `grpc-status: 14`, which the client's channel retries elsewhere.
+fn grpc_unavailable(in_flight: InFlight, ctx: &ConnCtx) -> Response<ProxyBody> {
+    let mut response = Response::new(ProxyBody {
+        payload: Payload::Bytes(None),
+        _in_flight: None,
+        lease: None,
+        ending: None,
+    });
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    ending::grpc_unavailable(headers);
+    in_flight.record_status(ctx, StatusCode::OK);
+    response.body_mut()._in_flight = Some(in_flight);
+    response
+}
+
+/// What a request waited for came: the response, the response timeout, or its connection's
+/// time in the close-spread window.
+enum Waited<T> {
+    Response(T),
+    TimedOut,
+    Ended,
+}
+
 /// Joins the client's and the target's upgraded connections as a tunnel, tracked by the
 /// drain like a TCP connection: untouched by `go_away`, reset by `terminate`.
-fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade) {
+fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade, framing: tcp::Framing) {
     let registration = ctx.registration.clone();
-    let terminate = ctx.terminate.clone();
+    let (spread, terminate) = (ctx.spread.clone(), ctx.terminate.clone());
     let side = ctx.proxy.drain.side(ctx.conn().direction());
     let proxy = ctx.proxy.clone();
     let tunnel = async move {
@@ -504,7 +564,10 @@ fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade) {
             }
         };
         let conn = registration.conn();
-        conn.set_protocol(ConnProtocol::Tunnel);
+        conn.set_protocol(match framing {
+            tcp::Framing::WebSocket => ConnProtocol::WebSocket,
+            tcp::Framing::Bytes => ConnProtocol::Tunnel,
+        });
         match (
             client.downcast::<TokioIo<ServerIo>>(),
             target.downcast::<TokioIo<TcpStream>>(),
@@ -515,8 +578,12 @@ fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade) {
                 };
                 let target_stream = target.io.into_inner();
                 // Bytes read past the handshake on either side go first.
-                if write_all(&target_stream, &client.read_buf).await.is_err()
-                    || write_all(&client_stream, &target.read_buf).await.is_err()
+                if tcp::write_all(&target_stream, &client.read_buf)
+                    .await
+                    .is_err()
+                    || tcp::write_all(&client_stream, &target.read_buf)
+                        .await
+                        .is_err()
                 {
                     return;
                 }
@@ -524,7 +591,8 @@ fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade) {
                     .fetch_add(client.read_buf.len() as u64, Ordering::Relaxed);
                 conn.bytes_to_peer
                     .fetch_add(target.read_buf.len() as u64, Ordering::Relaxed);
-                tcp::pipe(client_stream, target_stream, conn, &terminate, &proxy).await;
+                let watches = (&spread, &terminate);
+                tcp::pipe(client_stream, target_stream, conn, watches, &proxy, framing).await;
             }
             _ => debug!("upgraded connections of unexpected types; closing the tunnel"),
         }
@@ -533,25 +601,15 @@ fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade) {
     side.spawn(tunnel.in_current_span());
 }
 
-async fn write_all(stream: &TcpStream, bytes: &[u8]) -> io::Result<()> {
-    let mut written = 0;
-    while written < bytes.len() {
-        stream.writable().await?;
-        match stream.try_write(&bytes[written..]) {
-            Ok(n) => written += n,
-            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-            Err(error) => return Err(error),
-        }
-    }
-    Ok(())
-}
-
 /// A response body, holding its request's [`InFlight`] until the body ends, and for HTTP/1 the
 /// pooled connection it comes from, which goes back to the pool once the body has ended.
 pub struct ProxyBody {
     payload: Payload,
     _in_flight: Option<InFlight>,
     lease: Option<Lease>,
+    /// HTTP/2: how the body ends if its connection's time in the close-spread window comes
+    /// first.
+    ending: Option<Ending>,
 }
 
 impl Body for ProxyBody {
@@ -563,7 +621,18 @@ impl Body for ProxyBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = self.get_mut();
-        let poll = Pin::new(&mut this.payload).poll_frame(cx);
+        let payload = &mut this.payload;
+        let poll = match &mut this.ending {
+            None => Pin::new(payload).poll_frame(cx),
+            Some(ending) => match ending.poll(cx, |cx| Pin::new(payload).poll_frame(cx)) {
+                Step::Pass(poll) => poll,
+                Step::End(last) => {
+                    // Dropped, the body towards the app cancels its stream there.
+                    this.payload = Payload::Bytes(None);
+                    return Poll::Ready(last);
+                }
+            },
+        };
         if let Some(lease) = &mut this.lease
             && reached_end(&poll, &this.payload)
         {
