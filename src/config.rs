@@ -32,7 +32,7 @@ pub const DEFAULT_LAME_DUCK_PERIOD: Duration = Duration::ZERO;
 pub const DEFAULT_LAME_DUCK_QUIET_WINDOW: Duration = Duration::from_secs(1);
 /// An adaptive lame duck lasts at least this long, however quiet.
 pub const DEFAULT_LAME_DUCK_MIN: Duration = Duration::from_secs(2);
-/// The close-spread window when none is asked for (and at most the grace period): the part of
+/// The close-spread window when none is asked for (at most half the grace period): the part of
 /// the grace period, at its end, over which the connections still open are ended one by one
 /// (docs/lifecycle.md says why this figure).
 pub const DEFAULT_CLOSE_SPREAD_WINDOW: Duration = Duration::from_secs(10);
@@ -92,7 +92,7 @@ pub struct ProxyArgs {
 
     /// The last part of the grace period, in which the connections still open are ended one by
     /// one, evenly spread, each as cleanly as its protocol allows; 0s resets them all at the
-    /// deadline [env: LAMEDUCK_CLOSE_SPREAD_WINDOW] [default: 10s, at most the grace period]
+    /// deadline [env: LAMEDUCK_CLOSE_SPREAD_WINDOW] [default: 10s, at most half the grace period]
     #[arg(long, value_name = "DURATION")]
     pub close_spread_window: Option<String>,
 
@@ -772,7 +772,9 @@ impl Config {
                 }
                 window
             }
-            None => DEFAULT_CLOSE_SPREAD_WINDOW.min(shutdown_grace_period),
+            // Half the grace period at most: the connections get the first half to end by
+            // themselves.
+            None => DEFAULT_CLOSE_SPREAD_WINDOW.min(shutdown_grace_period / 2),
         };
         let period = lookup(&LAME_DUCK, args.lame_duck_period)?;
         let max = lookup(&LAME_DUCK_MAX, args.lame_duck_max)?;

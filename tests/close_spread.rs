@@ -8,7 +8,7 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -256,4 +256,270 @@ fn long_lived_connections_end_cleanly_one_by_one_across_the_close_spread_window(
         assert!(clean > 0.0, "{sample}{clean}");
     }
     assert!(!metrics.contains("how=\"reset\""), "{metrics}");
+}
+
+/// Reads one response from `stream` and then until the connection closes, in a thread:
+/// the response (or why it could not be read whole), how the connection closed, and when
+/// (after `since`).
+fn read_in_background(
+    mut stream: std::net::TcpStream,
+    since: Instant,
+) -> thread::JoinHandle<(std::io::Result<usize>, support::Close, Duration)> {
+    thread::spawn(move || {
+        let response = support::backend::read_response(&mut stream).map(|r| r.body.len());
+        let at = since.elapsed();
+        let (close, _) = support::wait_close(&mut stream, Duration::from_secs(30));
+        (response, close, at)
+    })
+}
+
+#[test]
+fn http1_event_streams_end_cleanly_and_other_streaming_responses_are_cut_without_a_reset() {
+    use support::backend::{Backend, get, proxy_for, send_raw};
+    let backend = Backend::start();
+    // Both engines: the fast lane (the default) and hyper's.
+    for engine in ["--http1-fast-lane=true", "--http1-fast-lane=false"] {
+        let mut proxy = proxy_for(
+            &backend,
+            &[
+                "--shutdown-grace-period=4s",
+                "--close-spread-window=2s",
+                engine,
+            ],
+        );
+        let since = Instant::now();
+        let events = read_in_background(send_raw(proxy.inbound[0], &get("/events")), since);
+        let download = read_in_background(send_raw(proxy.inbound[0], &get("/forever")), since);
+        support::wait_until("both responses streaming", support::PATIENCE, || {
+            let conns = proxy.open_connections();
+            conns.len() == 2
+                && conns
+                    .iter()
+                    .all(|conn| conn["bytes_to_peer"].as_u64().unwrap_or(0) > 2048)
+        });
+        let signalled = since.elapsed();
+        proxy.signal(libc::SIGTERM);
+        let (events, events_close, events_at) = events.join().unwrap();
+        let (download, download_close, download_at) = download.join().unwrap();
+        let status = proxy.wait_exit(support::PATIENCE);
+        let exited = since.elapsed() - signalled;
+        // Server-sent events end with the last chunk: the client has a whole response, and
+        // an EventSource reconnects.
+        assert!(
+            events.as_ref().is_ok_and(|len| *len > 0),
+            "{engine}: {events:?}"
+        );
+        // Anything else is cut, never made to look whole: an incomplete chunked body.
+        let error = download.expect_err("a cut download must not look complete");
+        assert_eq!(
+            error.kind(),
+            std::io::ErrorKind::UnexpectedEof,
+            "{engine}: {error}"
+        );
+        // Both with a FIN, in the window (from 2 s after the signal), before the deadline.
+        for (what, close, at) in [
+            ("events", events_close, events_at),
+            ("download", download_close, download_at),
+        ] {
+            assert_eq!(close, support::Close::Eof, "{engine}: {what}");
+            let after = at - signalled;
+            assert!(
+                after >= Duration::from_millis(1950) && after < Duration::from_secs(4),
+                "{engine}: {what} ended {after:?} after SIGTERM"
+            );
+        }
+        assert_eq!(status.code(), Some(0));
+        assert!(
+            exited < Duration::from_secs(4),
+            "{engine}: exited after {exited:?}"
+        );
+        let log = proxy.logs.text();
+        assert!(
+            !log.contains("resetting the remaining connections"),
+            "{engine}\n{log}"
+        );
+    }
+}
+
+/// The HTTP/2 reason among an error's causes (a stream reset, say).
+fn h2_reason(error: &(dyn std::error::Error + 'static)) -> Option<h2::Reason> {
+    let mut cause = Some(error);
+    while let Some(error) = cause {
+        if let Some(h2) = error.downcast_ref::<h2::Error>() {
+            return h2.reason();
+        }
+        cause = error.source();
+    }
+    None
+}
+
+#[test]
+fn http2_streams_end_as_their_kind_allows() {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use support::backend::{Backend, proxy_for};
+    let backend = Backend::start();
+    let mut proxy = proxy_for(
+        &backend,
+        &["--shutdown-grace-period=4s", "--close-spread-window=2s"],
+    );
+    let addr = proxy.inbound[0];
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let since = Instant::now();
+    let request = |method: &str, path: &str, grpc: bool| {
+        let mut request = hyper::Request::builder()
+            .method(method)
+            .uri(format!("http://app.local{path}"));
+        if grpc {
+            request = request.header("content-type", "application/grpc");
+        }
+        request.body(Empty::<bytes::Bytes>::new()).unwrap()
+    };
+    let (signalled, ends, connection) = runtime.block_on(async {
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (mut sender, connection) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+                .await
+                .unwrap();
+        let connection = tokio::spawn(async move {
+            let ended = connection.await;
+            (ended.map_err(|error| error.to_string()), since.elapsed())
+        });
+        let mut calls = Vec::new();
+        for (method, path, grpc) in [
+            ("GET", "/events", false),
+            ("GET", "/forever", false),
+            ("GET", "/hang", false),
+            ("POST", "/hang", true),
+        ] {
+            let response = sender.send_request(request(method, path, grpc));
+            calls.push(tokio::spawn(async move {
+                let response = match response.await {
+                    Ok(response) => response,
+                    Err(error) => {
+                        let reason = h2_reason(&error);
+                        return (format!("no response: {reason:?}"), since.elapsed());
+                    }
+                };
+                let grpc_status = response
+                    .headers()
+                    .get("grpc-status")
+                    .map(|value| value.to_str().unwrap().to_string());
+                let body = response
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|body| body.to_bytes());
+                let how = match (grpc_status, body) {
+                    (Some(status), Ok(_)) => format!("grpc-status {status}"),
+                    (None, Ok(body)) if !body.is_empty() => "whole".to_string(),
+                    (None, Ok(_)) => "empty".to_string(),
+                    (_, Err(error)) => format!("body: {:?}", h2_reason(&error)),
+                };
+                (how, since.elapsed())
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let signalled = since.elapsed();
+        proxy.signal(libc::SIGTERM);
+        let mut ends = Vec::new();
+        for call in calls {
+            ends.push(call.await.unwrap());
+        }
+        (signalled, ends, connection.await.unwrap())
+    });
+    let hows: Vec<&str> = ends.iter().map(|(how, _)| how.as_str()).collect();
+    assert_eq!(
+        hows,
+        [
+            // Server-sent events: END_STREAM, a whole response.
+            "whole",
+            // Another streaming response: RST_STREAM(CANCEL), never made to look whole.
+            "body: Some(CANCEL)",
+            // No response yet: cancelled.
+            "no response: Some(CANCEL)",
+            // A gRPC call without a response yet: trailers-only, status 14 (UNAVAILABLE).
+            "grpc-status 14",
+        ]
+    );
+    for (how, at) in &ends {
+        let after = *at - signalled;
+        assert!(
+            after >= Duration::from_millis(1950) && after < Duration::from_secs(4),
+            "{how} {after:?} after SIGTERM"
+        );
+    }
+    // Then the connection closes (GOAWAY went at the start of the drain), before the deadline.
+    let (closed, at) = connection;
+    assert!(closed.is_ok(), "{closed:?}");
+    assert!(
+        at - signalled < Duration::from_secs(4),
+        "{:?}",
+        at - signalled
+    );
+    assert_eq!(proxy.wait_exit(support::PATIENCE).code(), Some(0));
+    assert!(
+        !proxy
+            .logs
+            .text()
+            .contains("resetting the remaining connections")
+    );
+}
+
+#[test]
+fn a_peer_that_never_closes_is_reset_at_the_deadline_and_one_gone_before_is_untouched() {
+    use support::{Close, EchoServer, echo_connect, echo_round_trip, wait_close};
+    let echo = EchoServer::start();
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &echo.route("127.0.0.1:0"),
+        "--shutdown-grace-period=4s",
+        "--close-spread-window=2s",
+    ]);
+    let mut stubborn = echo_connect(proxy.inbound[0]);
+    let mut early = echo_connect(proxy.inbound[0]);
+    echo_round_trip(&mut stubborn, b"hello");
+    echo_round_trip(&mut early, b"hello");
+    let sent = Instant::now();
+    proxy.signal(libc::SIGTERM);
+    // One ends by itself before the window: it closes as it asked, nothing else.
+    thread::sleep(Duration::from_millis(500));
+    early.shutdown(std::net::Shutdown::Write).unwrap();
+    let (close, _) = wait_close(&mut early, support::PATIENCE);
+    assert_eq!(close, Close::Eof);
+    // The other gets the window's FIN at its time, and never closes: it is reset at the
+    // deadline, and named.
+    let (close, _) = wait_close(&mut stubborn, support::PATIENCE);
+    let fin_at = sent.elapsed();
+    assert_eq!(close, Close::Eof);
+    assert!(
+        fin_at >= Duration::from_millis(1950) && fin_at < Duration::from_secs(4),
+        "FIN {fin_at:?} after SIGTERM"
+    );
+    let status = proxy.wait_exit(support::PATIENCE);
+    let exit_at = sent.elapsed();
+    assert_eq!(status.code(), Some(0));
+    assert!(
+        exit_at >= Duration::from_millis(3950) && exit_at < Duration::from_secs(6),
+        "exited {exit_at:?} after SIGTERM: the window never extends the grace period"
+    );
+    let log = proxy.logs.text();
+    let window = proxy
+        .logs
+        .events("close spread: ending the connections still open one by one");
+    assert_eq!(window.len(), 1, "{log}");
+    assert_eq!(window[0]["fields"]["connections"], 1, "{log}");
+    assert!(
+        log.contains("resetting the remaining connections") && log.contains("force-closing id=1"),
+        "{log}"
+    );
+    // Its socket was reset: what it sends now is refused.
+    let refused = stubborn
+        .write_all(b"x")
+        .and_then(|()| {
+            thread::sleep(Duration::from_millis(50));
+            stubborn.write_all(b"y")
+        })
+        .is_err();
+    assert!(refused, "the stubborn peer's connection was reset");
 }

@@ -409,7 +409,12 @@ fn pipelined_requests_behind_the_inflight_one_are_not_forwarded() {
 #[test]
 fn grace_expiry_cuts_a_streaming_response_and_a_websocket() {
     let backend = Backend::start();
-    let mut proxy = proxy_for(&backend, &["--shutdown-grace-period=2s"]);
+    // No close-spread window: what is still open at the deadline is reset (the window's ends
+    // are tests/close_spread.rs').
+    let mut proxy = proxy_for(
+        &backend,
+        &["--shutdown-grace-period=2s", "--close-spread-window=0s"],
+    );
     let mut streaming = send_raw(proxy.inbound[0], &get("/forever"));
     let mut first = [0u8; 64];
     streaming.read_exact(&mut first).unwrap();
@@ -428,8 +433,8 @@ fn grace_expiry_cuts_a_streaming_response_and_a_websocket() {
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
     let logs = proxy.logs.text();
     assert!(
-        logs.contains("protocol=tunnel"),
-        "the WebSocket is named as a tunnel survivor:\n{logs}"
+        logs.contains("protocol=websocket"),
+        "the WebSocket is named as a survivor:\n{logs}"
     );
     assert!(logs.contains("protocol=http1"), "{logs}");
 }
@@ -459,7 +464,7 @@ fn websocket_keeps_flowing_while_draining() {
     let mut proxy = proxy_for(&backend, &[]);
     let mut ws = websocket(proxy.inbound[0]);
     let conns = proxy.get("/connections").body;
-    assert!(conns.contains("\"protocol\": \"tunnel\""), "{conns}");
+    assert!(conns.contains("\"protocol\": \"websocket\""), "{conns}");
     assert_eq!(backend.seen()[0].header("upgrade"), Some("websocket"));
     proxy.signal(libc::SIGTERM);
     wait_until("refused", PATIENCE, || {

@@ -271,6 +271,9 @@ fn grace_expiry_resets_open_tcp_connections_and_names_them() {
         "--inbound",
         &format!("127.0.0.1:0={firehose_addr}/tcp"),
         "--shutdown-grace-period=2s",
+        // No close-spread window: what is still open at the deadline is reset (the window's
+        // FINs are tests/close_spread.rs').
+        "--close-spread-window=0s",
     ]);
     let mut idle = echo_connect(proxy.inbound[0]);
     let mut streaming = std::net::TcpStream::connect(proxy.inbound[1]).unwrap();

@@ -215,6 +215,15 @@ async fn handle(
             response
         }
         "/forever" => Response::new(streamed(usize::MAX, 1024, Duration::from_millis(50), false)),
+        // Server-sent events, forever: a 1 KiB event every 50 ms.
+        "/events" => {
+            let mut response =
+                Response::new(streamed(usize::MAX, 1024, Duration::from_millis(50), false));
+            response
+                .headers_mut()
+                .insert("content-type", "text/event-stream".parse().unwrap());
+            response
+        }
         "/die" => {
             let mut response = Response::new(streamed(
                 num("chunks", 40) as usize,

@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::body::BodyWatcher;
 use super::client::Upstream;
+use super::ending::Signal;
 use crate::conns::{Connection, Registration};
 use crate::drain::{ConnTokens, Watch};
 use crate::proxy::ProxyContext;
@@ -45,8 +46,10 @@ pub struct ConnCtx {
     pub spread: Watch,
     /// Cancelled when the connection must be reset now; tunnels watch it too.
     pub terminate: Watch,
-    /// HTTP/2: cancelled at the connection's time in the close-spread window, when its open
-    /// streams end (src/proxy/http/ending.rs).
+    /// Set at the connection's time in the close-spread window: its responses still streaming
+    /// end (src/proxy/http/ending.rs).
+    streams_ending: AtomicBool,
+    /// HTTP/2: cancelled with it, for the streams' tasks to wake.
     pub(super) ending: Option<CancellationToken>,
     /// Set at the first request; HTTP/2 connections opened during the lame-duck period wait
     /// for it before sending GOAWAY.
@@ -116,6 +119,7 @@ impl ConnCtx {
             go_away: tokens.go_away.clone(),
             spread: tokens.spread.clone(),
             terminate: tokens.terminate.clone(),
+            streams_ending: AtomicBool::new(false),
             ending: (version == HttpVersion::Http2).then(CancellationToken::new),
             requests_seen: AtomicBool::new(false),
             first_request: Notify::new(),
@@ -172,9 +176,28 @@ impl ConnCtx {
         (self.conn().idle_since() + IDLE_CLOSE_GRACE).into()
     }
 
+    /// The connection's time in the close-spread window has come: its responses still
+    /// streaming end as their kind allows.
+    pub(super) fn end_streams(&self) {
+        self.streams_ending.store(true, Ordering::Release);
+        if let Some(token) = &self.ending {
+            token.cancel();
+        }
+    }
+
     /// Whether responses must ask the client to go away (HTTP/1 `connection: close`).
     pub fn closing(&self) -> bool {
         self.go_away.is_cancelled()
+    }
+}
+
+impl Signal for Arc<ConnCtx> {
+    fn ending(&self) -> bool {
+        self.streams_ending.load(Ordering::Acquire)
+    }
+
+    fn token(&self) -> Option<&CancellationToken> {
+        self.ending.as_ref()
     }
 }
 

@@ -1,15 +1,20 @@
-//! How an HTTP/2 stream still open at its connection's time in the close-spread window ends
+//! How a response still streaming at its connection's time in the close-spread window ends
 //! (src/close_spread.rs), as cleanly as its protocol allows:
-//! - a gRPC response (`content-type: application/grpc...`) ends after its last whole message
-//!   with trailers `grpc-status: 14` (UNAVAILABLE), which a gRPC channel retries on another
-//!   connection; one whose head has not come yet is answered with those trailers alone;
-//! - another response without a length ends there, between two DATA frames (`END_STREAM`);
-//! - a response with a length, or one whose head has not come yet, is cancelled
-//!   (`RST_STREAM(CANCEL)`).
+//! - a gRPC response (`content-type: application/grpc...`, HTTP/2) ends after its last whole
+//!   message with trailers `grpc-status: 14` (UNAVAILABLE), which a gRPC channel retries on
+//!   another connection; one whose head has not come yet is answered with those trailers alone;
+//! - a stream of server-sent events (`text/event-stream`, no length) ends there, cleanly
+//!   (HTTP/2 `END_STREAM`, HTTP/1 the last chunk): an event cut short is never dispatched by
+//!   an `EventSource`, which reconnects with its `Last-Event-ID`;
+//! - any other response is cut, never ended as if it were whole: HTTP/2 `RST_STREAM(CANCEL)`,
+//!   HTTP/1 its connection closed. HTTP/2 would let any body without a length end anywhere,
+//!   but a download cut short would then look complete. An HTTP/2 stream whose head has not
+//!   come yet is cancelled too.
 //!
 //! Either way the stream towards the app is dropped, which cancels it there
-//! (`RST_STREAM(CANCEL)` from hyper's client). The connection sent GOAWAY at the start of the
-//! drain; it closes once its last stream has ended.
+//! (`RST_STREAM(CANCEL)` from hyper's client on HTTP/2, the connection closed on HTTP/1). An
+//! HTTP/2 connection sent GOAWAY at the start of the drain and closes once its last stream has
+//! ended; an HTTP/1 response carries `connection: close` then.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -18,7 +23,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use hyper::HeaderMap;
 use hyper::body::Frame;
-use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use super::body::BodyError;
@@ -46,20 +51,39 @@ pub(super) fn cancel() -> BodyError {
     Box::new(h2::Error::from(h2::Reason::CANCEL))
 }
 
+/// Whether a response is a stream of server-sent events without a length: it may end between
+/// two frames.
+pub(super) fn is_event_stream(headers: &HeaderMap) -> bool {
+    !headers.contains_key(CONTENT_LENGTH)
+        && headers
+            .get(CONTENT_TYPE)
+            .is_some_and(|value| value.as_bytes().starts_with(b"text/event-stream"))
+}
+
 /// How a response body ends when its connection's time comes.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Kind {
     /// gRPC: after its last whole message, with `grpc-status: 14` trailers.
     Grpc(Messages),
-    /// No length: a clean `END_STREAM` between two frames.
-    Open,
-    /// A length the client holds the proxy to: `RST_STREAM(CANCEL)`.
-    Sized,
+    /// Server-sent events: a clean end between two frames.
+    Events,
+    /// Anything else: cut (`RST_STREAM(CANCEL)`, or the HTTP/1 connection closed).
+    Cut,
+}
+
+/// Where a connection's time in the close-spread window is told to its response bodies.
+pub(super) trait Signal {
+    /// Whether the time has come.
+    fn ending(&self) -> bool;
+    /// HTTP/2: a token to wait on, since each stream's body is polled by a task of its own.
+    /// HTTP/1 has none: its one body is polled by the connection's task, which polls it again
+    /// when the time comes.
+    fn token(&self) -> Option<&CancellationToken>;
 }
 
 /// A response body's watch on its connection's time in the close-spread window.
-pub(super) struct Ending {
-    token: CancellationToken,
+pub(super) struct Ending<S> {
+    signal: S,
     /// Made at the first wait only: a body that never waits never registers.
     wait: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
     kind: Kind,
@@ -77,10 +101,10 @@ pub(super) enum Step {
     End(Option<Result<Frame<Bytes>, BodyError>>),
 }
 
-impl Ending {
-    pub(super) fn new(token: CancellationToken, kind: Kind) -> Ending {
+impl<S: Signal> Ending<S> {
+    pub(super) fn new(signal: S, kind: Kind) -> Ending<S> {
         Ending {
-            token,
+            signal,
             wait: None,
             kind,
             now: false,
@@ -98,17 +122,17 @@ impl Ending {
             return Step::End(None);
         }
         if !self.now {
-            self.now = self.token.is_cancelled();
+            self.now = self.signal.ending();
         }
         if self.now {
             match &mut self.kind {
                 Kind::Grpc(messages) if messages.at_boundary() => return self.grpc_trailers(),
                 Kind::Grpc(_) => {}
-                Kind::Open => {
+                Kind::Events => {
                     self.done = true;
                     return Step::End(None);
                 }
-                Kind::Sized => {
+                Kind::Cut => {
                     self.done = true;
                     return Step::End(Some(Err(cancel())));
                 }
@@ -130,13 +154,14 @@ impl Ending {
                 Step::Pass(Poll::Ready(Some(Ok(Frame::data(data)))))
             }
             (Poll::Pending, _) if !self.now => {
-                let token = &self.token;
-                let wait = self
-                    .wait
-                    .get_or_insert_with(|| Box::pin(token.clone().cancelled_owned()));
-                if wait.as_mut().poll(cx).is_ready() {
-                    // Its time came while the body waited: poll again to end it.
-                    cx.waker().wake_by_ref();
+                if let Some(token) = self.signal.token() {
+                    let wait = self
+                        .wait
+                        .get_or_insert_with(|| Box::pin(token.clone().cancelled_owned()));
+                    if wait.as_mut().poll(cx).is_ready() {
+                        // Its time came while the body waited: poll again to end it.
+                        cx.waker().wake_by_ref();
+                    }
                 }
                 Step::Pass(Poll::Pending)
             }

@@ -32,6 +32,8 @@ use self::lane::Lane;
 use super::context::ConnCtx;
 use super::io::{ServerIo, linger};
 use super::service;
+use crate::close_spread;
+use crate::conns::ConnProtocol;
 use crate::drain::{Cancelled, Watch};
 use crate::net;
 
@@ -194,6 +196,8 @@ async fn http1_session(
         .with_upgrades();
     let mut drain = pin!(Cancelled::new(listeners_closed));
     let mut terminate = pin!(Cancelled::new(&ctx.terminate));
+    let mut slot = pin!(close_spread::at_slot(&ctx.spread, ctx.conn()));
+    let mut ending = false;
     // Once the listeners have closed: when the connection, if idle then, is closed.
     let mut idle_close: Option<tokio::time::Instant> = closing.then(|| ctx.idle_close_at());
     let idle =
@@ -219,6 +223,16 @@ async fn http1_session(
                     Pin::new(&mut connection).graceful_shutdown();
                 }
             }
+            // Its time in the close-spread window: a response still streaming ends as its
+            // kind allows (ending.rs) when hyper polls its body next, right after this; an
+            // idle connection closes.
+            () = &mut slot, if !ending => {
+                ending = true;
+                ctx.end_streams();
+                if idle() {
+                    Pin::new(&mut connection).graceful_shutdown();
+                }
+            }
             // The grace period ran out, or a second signal.
             _ = &mut terminate => {
                 reset_client(fd);
@@ -226,6 +240,12 @@ async fn http1_session(
             }
         }
     };
+    if ending {
+        debug!("close spread: HTTP/1 connection ended");
+        ctx.proxy
+            .metrics
+            .ended_at_shutdown(ConnProtocol::Http1, true);
+    }
     let Some(parts) = connection.into_parts() else {
         // Upgraded: the tunnel has the socket now.
         return Session::Done;

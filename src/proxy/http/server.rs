@@ -161,9 +161,7 @@ async fn serve_http2(
             () = &mut slot, if !ending => {
                 ending = true;
                 debug!("close spread: ending the HTTP/2 connection's streams");
-                if let Some(token) = &ctx.ending {
-                    token.cancel();
-                }
+                ctx.end_streams();
                 if !sent_go_away {
                     sent_go_away = true;
                     connection.as_mut().graceful_shutdown();

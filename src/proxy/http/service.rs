@@ -162,7 +162,7 @@ fn forward(
                 let answer = Synthetic::no_response_in_time(target);
                 return Ok(error_response(&ctx, answer, in_flight));
             }
-            // Dropping the request cancels it at the app.
+            // Dropping the request cancels it at the app (HTTP/2 only: see `ended`).
             Waited::Ended if grpc => return Ok(grpc_unavailable(in_flight, &ctx)),
             Waited::Ended => return Err(ending::cancel()),
         };
@@ -232,17 +232,16 @@ fn forward(
                 }
                 lease
             });
-        // HTTP/2: how the body ends if it is still open at the connection's time.
-        let ending = ctx.ending.as_ref().map(|token| {
-            let kind = if grpc {
-                ending::Kind::Grpc(ending::Messages::default())
-            } else if response.headers().contains_key(CONTENT_LENGTH) {
-                ending::Kind::Sized
-            } else {
-                ending::Kind::Open
-            };
-            Ending::new(token.clone(), kind)
-        });
+        // How the body ends if it is still streaming at the connection's time in the
+        // close-spread window.
+        let kind = if grpc {
+            ending::Kind::Grpc(ending::Messages::default())
+        } else if ending::is_event_stream(response.headers()) {
+            ending::Kind::Events
+        } else {
+            ending::Kind::Cut
+        };
+        let ending = (!upgraded).then(|| Ending::new(ctx.clone(), kind));
         Ok(response.map(|body| ProxyBody {
             payload: Payload::Stream(
                 body,
@@ -607,9 +606,8 @@ pub struct ProxyBody {
     payload: Payload,
     _in_flight: Option<InFlight>,
     lease: Option<Lease>,
-    /// HTTP/2: how the body ends if its connection's time in the close-spread window comes
-    /// first.
-    ending: Option<Ending>,
+    /// How the body ends if its connection's time in the close-spread window comes first.
+    ending: Option<Ending<Arc<ConnCtx>>>,
 }
 
 impl Body for ProxyBody {

@@ -36,6 +36,8 @@ use super::wire::{
     ChunkDecoder, Framing, Parsed, Planned, RequestPlan, ResponsePlan, plan_request, plan_response,
     push_chunk,
 };
+use crate::close_spread;
+use crate::conns::ConnProtocol;
 use crate::drain::{Cancelled, Watch};
 use crate::metrics::Timeout;
 use crate::net;
@@ -574,11 +576,21 @@ impl<'a> FastLane<'a> {
             }
         };
         in_flight.record_code(ctx, response.code);
-        match self
-            .forward_body(&mut conn, response.framing, terminate)
-            .await
-        {
-            Ok(clean) => {
+        match self.forward_body(&mut conn, &response, terminate).await {
+            Ok(BodyEnd::Spread) => {
+                // Server-sent events ended at the connection's time in the close-spread
+                // window: the last chunk goes out, then the connection closes.
+                debug!("close spread: the event stream ended");
+                self.ctx
+                    .proxy
+                    .metrics
+                    .ended_at_shutdown(ConnProtocol::Http1, true);
+                match self.flush(terminate).await {
+                    Ok(()) => Outcome::Sent { close: true },
+                    Err(failed) => failed.into(),
+                }
+            }
+            Ok(BodyEnd::Whole(clean)) => {
                 // Back in the pool before the response's last bytes leave: once they have,
                 // the client's next request, on this connection or another, finds it there.
                 if clean && response.reusable && !ctx.closing() {
@@ -720,10 +732,13 @@ impl<'a> FastLane<'a> {
     async fn forward_body(
         &mut self,
         conn: &mut PlainConn,
-        framing: Framing,
+        response: &ResponsePlan,
         terminate: &mut Pin<&mut Cancelled<'_>>,
-    ) -> Result<bool, Outcome> {
+    ) -> Result<BodyEnd, Outcome> {
+        let framing = response.framing;
         let limit = self.ctx.proxy.http.body_timeout;
+        // The connection's time in the close-spread window, watched while the body waits.
+        let mut slot = std::pin::pin!(close_spread::at_slot(&self.ctx.spread, self.ctx.conn()));
         let mut remaining = match framing {
             Framing::Length(length) => length,
             _ => 0,
@@ -765,7 +780,7 @@ impl<'a> FastLane<'a> {
                 }
             };
             if finished {
-                return Ok(self.up_start == self.up_end);
+                return Ok(BodyEnd::Whole(self.up_start == self.up_end));
             }
             if !self.buf.out.is_empty()
                 && let Err(failed) = self.flush(terminate).await
@@ -778,7 +793,12 @@ impl<'a> FastLane<'a> {
             let deadline = limit.map(|limit| Instant::now() + limit);
             let (target, upbuf) = (&mut conn.stream, &mut self.buf.upbuf[self.up_end..]);
             let read = wait(
-                |cx| poll_read_into(target, upbuf, cx),
+                |cx| {
+                    if slot.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(None);
+                    }
+                    poll_read_into(target, upbuf, cx).map(Some)
+                },
                 terminate,
                 None,
                 &mut self.timer,
@@ -786,16 +806,30 @@ impl<'a> FastLane<'a> {
             )
             .await;
             match read {
-                // The end of a close-delimited body: the last chunk, which the caller sends.
-                Waited::Ready(Ok(0)) if framing == Framing::Close => {
+                // Its time in the close-spread window: server-sent events end cleanly (every
+                // chunk the client got is whole), anything else is cut (ending.rs).
+                Waited::Ready(None) if response.events => {
                     self.buf.out.extend_from_slice(b"0\r\n\r\n");
-                    return Ok(false);
+                    return Ok(BodyEnd::Spread);
                 }
-                Waited::Ready(Ok(0)) | Waited::Ready(Err(_)) => {
+                Waited::Ready(None) => {
+                    debug!("close spread: the response is cut");
+                    self.ctx
+                        .proxy
+                        .metrics
+                        .ended_at_shutdown(ConnProtocol::Http1, true);
+                    return Err(Outcome::Cut);
+                }
+                // The end of a close-delimited body: the last chunk, which the caller sends.
+                Waited::Ready(Some(Ok(0))) if framing == Framing::Close => {
+                    self.buf.out.extend_from_slice(b"0\r\n\r\n");
+                    return Ok(BodyEnd::Whole(false));
+                }
+                Waited::Ready(Some(Ok(0))) | Waited::Ready(Some(Err(_))) => {
                     debug!("the target closed before the end of the response body");
                     return Err(Outcome::Cut);
                 }
-                Waited::Ready(Ok(n)) => self.up_end += n,
+                Waited::Ready(Some(Ok(n))) => self.up_end += n,
                 Waited::TimedOut => {
                     debug!("the response body stalled");
                     self.ctx.proxy.metrics.timed_out(Timeout::ResponseBody);
@@ -805,6 +839,14 @@ impl<'a> FastLane<'a> {
             }
         }
     }
+}
+
+/// How a response body ended, without a failure.
+enum BodyEnd {
+    /// Read whole; `true` when nothing past it was read (its connection may be reused).
+    Whole(bool),
+    /// Server-sent events ended at the connection's time in the close-spread window.
+    Spread,
 }
 
 /// How reading a response head ended.

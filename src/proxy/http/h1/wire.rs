@@ -131,6 +131,9 @@ pub(super) struct ResponsePlan {
     /// The client's head says `connection: close`: its connection ends after this response
     /// (decided once, with the head, so that what it says and what happens agree).
     pub(super) close: bool,
+    /// Server-sent events without a length: may end cleanly between two chunks when the
+    /// close-spread window comes (the policy in `ending.rs`).
+    pub(super) events: bool,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -181,6 +184,7 @@ pub(super) fn plan_response(
     let mut length: Option<u64> = None;
     let mut bad_length = false;
     let mut target_close = false;
+    let mut event_stream = false;
     // The headers `Connection` names: rarely any, so the list allocates only then.
     let mut named: Vec<&[u8]> = Vec::new();
     for header in response.headers.iter() {
@@ -202,6 +206,10 @@ pub(super) fn plan_response(
                         named.push(token);
                     }
                 }
+            }
+            Role::Other if header.name.len() == 12 => {
+                event_stream |= header.name.eq_ignore_ascii_case("content-type")
+                    && header.value.starts_with(b"text/event-stream");
             }
             _ => {}
         }
@@ -282,6 +290,7 @@ pub(super) fn plan_response(
         framing,
         reusable,
         close,
+        events: event_stream && matches!(framing, Framing::Chunked | Framing::Close),
     })
 }
 
