@@ -1513,6 +1513,38 @@ mod tests {
     }
 
     #[test]
+    fn the_close_spread_window_is_the_end_of_the_grace_period() {
+        let window = |grace: &str, window: Option<&str>, env: &[(&str, &str)]| {
+            config(
+                ProxyArgs {
+                    shutdown_grace_period: Some(grace.into()),
+                    close_spread_window: window.map(Into::into),
+                    ..Default::default()
+                },
+                env,
+            )
+            .map(|c| c.close_spread_window)
+        };
+        // 10 s by default, and never more than half the grace period.
+        assert_eq!(window("120s", None, &[]), Ok(Duration::from_secs(10)));
+        assert_eq!(window("6s", None, &[]), Ok(Duration::from_secs(3)));
+        assert_eq!(window("0s", None, &[]), Ok(Duration::ZERO));
+        // Asked for: up to the whole grace period; 0s turns it off.
+        assert_eq!(window("30s", Some("30s"), &[]), Ok(Duration::from_secs(30)));
+        assert_eq!(window("30s", Some("0s"), &[]), Ok(Duration::ZERO));
+        assert_eq!(
+            window("30s", None, &[("LAMEDUCK_CLOSE_SPREAD_WINDOW", "20s")]),
+            Ok(Duration::from_secs(20))
+        );
+        let error = window("30s", Some("31s"), &[]).unwrap_err();
+        assert_eq!(error.setting, "--close-spread-window");
+        assert!(error.reason.contains("grace period (30s)"), "{error}");
+        let error = window("30s", None, &[("LAMEDUCK_CLOSE_SPREAD_WINDOW", "soon")]).unwrap_err();
+        assert_eq!(error.setting, "LAMEDUCK_CLOSE_SPREAD_WINDOW");
+        assert!(error.to_string().contains("10s"), "{error}");
+    }
+
+    #[test]
     fn lame_duck_longer_than_grace_is_refused() {
         let error = config(
             ProxyArgs {

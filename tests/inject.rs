@@ -327,6 +327,15 @@ fn every_annotation_takes_effect() {
         proxy_env(docs[0], "LAMEDUCK_LAME_DUCK_PERIOD").as_deref(),
         Some("5s")
     );
+    assert_eq!(
+        proxy_env(docs[0], "LAMEDUCK_CLOSE_SPREAD_WINDOW").as_deref(),
+        Some("30s")
+    );
+    assert_eq!(
+        proxy_env(docs[1], "LAMEDUCK_CLOSE_SPREAD_WINDOW"),
+        None,
+        "without the annotation, the proxy's default"
+    );
     assert!(
         docs[0].contains("terminationGracePeriodSeconds: 395"),
         "300s of the app's own, after 90s of inbound drain, and the margin"
@@ -631,6 +640,12 @@ fn bad_annotations_exit_2_naming_object_annotation_and_value() {
             "10m",
             "longer than the shutdown grace period",
         ),
+        (
+            "lameduck.io/close-spread-window",
+            "10m",
+            "longer than the shutdown grace period",
+        ),
+        ("lameduck.io/close-spread-window", "soon", "soon"),
         (
             "lameduck.io/shutdown-endpoint",
             "maybe",

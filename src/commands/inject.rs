@@ -46,6 +46,7 @@ pub const ANNOTATION_LAME_DUCK: &str = "lameduck.io/lame-duck-period";
 pub const ANNOTATION_LAME_DUCK_MAX: &str = "lameduck.io/lame-duck-max";
 pub const ANNOTATION_LAME_DUCK_QUIET: &str = "lameduck.io/lame-duck-quiet-window";
 pub const ANNOTATION_LAME_DUCK_MIN: &str = "lameduck.io/lame-duck-min";
+pub const ANNOTATION_CLOSE_SPREAD: &str = "lameduck.io/close-spread-window";
 pub const ANNOTATION_SHUTDOWN_ENDPOINT: &str = "lameduck.io/shutdown-endpoint";
 pub const ANNOTATION_INBOUND_PORTS: &str = "lameduck.io/inbound-ports";
 pub const ANNOTATION_NATIVE_SIDECAR: &str = "lameduck.io/native-sidecar";
@@ -56,9 +57,10 @@ pub const ANNOTATION_SKIP_OUTBOUND_PORTS: &str = "lameduck.io/skip-outbound-port
 pub const ANNOTATION_SKIP_OUTBOUND_CIDRS: &str = "lameduck.io/skip-outbound-cidrs";
 pub const ANNOTATION_LINKERD_SKIP_INBOUND_PORTS: &str = "config.linkerd.io/skip-inbound-ports";
 pub const ANNOTATION_LINKERD_SKIP_OUTBOUND_PORTS: &str = "config.linkerd.io/skip-outbound-ports";
-const KNOWN: [&str; 13] = [
+const KNOWN: [&str; 14] = [
     ANNOTATION_INJECT,
     ANNOTATION_GRACE,
+    ANNOTATION_CLOSE_SPREAD,
     ANNOTATION_LAME_DUCK,
     ANNOTATION_LAME_DUCK_MAX,
     ANNOTATION_LAME_DUCK_QUIET,
@@ -320,6 +322,8 @@ struct Settings {
     /// `terminationGracePeriodSeconds` to set, when it must be raised.
     raise_pod_grace_to: Option<(u64, u64)>,
     lame_duck: Option<LameDuck>,
+    /// `None`: the proxy's default.
+    close_spread_window: Option<Duration>,
     shutdown_endpoint: Option<bool>,
     inbound_ports: Vec<u16>,
     native: bool,
@@ -757,10 +761,15 @@ fn settings<'a>(
             },
         }),
     };
+    let close_spread_window = match get(ANNOTATION_CLOSE_SPREAD) {
+        Some(value) => Some(within_grace(ANNOTATION_CLOSE_SPREAD, value)?),
+        None => None,
+    };
     Ok(Settings {
         grace,
         raise_pod_grace_to,
         lame_duck,
+        close_spread_window,
         shutdown_endpoint: enabled(ANNOTATION_SHUTDOWN_ENDPOINT)?,
         inbound_ports,
         native,
@@ -867,6 +876,12 @@ fn proxy_container(
                 "{name: LAMEDUCK_LAME_DUCK_IGNORE_SOURCES, valueFrom: {fieldRef: {fieldPath: status.hostIP}}}",
             ));
         }
+    }
+    if let Some(window) = settings.close_spread_window {
+        env.push(env_var(
+            "LAMEDUCK_CLOSE_SPREAD_WINDOW",
+            &format_duration(window),
+        ));
     }
     env.push(env_var("LAMEDUCK_DRAIN_SOCKET", SHARED_SOCKET));
     if let Some(enabled) = shutdown_endpoint {
