@@ -737,8 +737,9 @@ impl<'a> FastLane<'a> {
     ) -> Result<BodyEnd, Outcome> {
         let framing = response.framing;
         let limit = self.ctx.proxy.http.body_timeout;
-        // The connection's time in the close-spread window, watched while the body waits.
-        let mut slot = std::pin::pin!(close_spread::at_slot(&self.ctx.spread, self.ctx.conn()));
+        // The connection's time in the close-spread window, watched while the body waits
+        // (made then: most bodies never wait).
+        let mut slot = std::pin::pin!(None);
         let mut remaining = match framing {
             Framing::Length(length) => length,
             _ => 0,
@@ -791,10 +792,15 @@ impl<'a> FastLane<'a> {
             // Everything read so far was used: there is room (the limit is never reached).
             self.make_target_room(usize::MAX);
             let deadline = limit.map(|limit| Instant::now() + limit);
+            if slot.is_none() {
+                let ctx = self.ctx;
+                slot.set(Some(close_spread::at_slot(&ctx.spread, ctx.conn())));
+            }
             let (target, upbuf) = (&mut conn.stream, &mut self.buf.upbuf[self.up_end..]);
             let read = wait(
                 |cx| {
-                    if slot.as_mut().poll(cx).is_ready() {
+                    let slot = slot.as_mut().as_pin_mut().expect("made above");
+                    if slot.poll(cx).is_ready() {
                         return Poll::Ready(None);
                     }
                     poll_read_into(target, upbuf, cx).map(Some)

@@ -184,7 +184,6 @@ pub(super) fn plan_response(
     let mut length: Option<u64> = None;
     let mut bad_length = false;
     let mut target_close = false;
-    let mut event_stream = false;
     // The headers `Connection` names: rarely any, so the list allocates only then.
     let mut named: Vec<&[u8]> = Vec::new();
     for header in response.headers.iter() {
@@ -206,10 +205,6 @@ pub(super) fn plan_response(
                         named.push(token);
                     }
                 }
-            }
-            Role::Other if header.name.len() == 12 => {
-                event_stream |= header.name.eq_ignore_ascii_case("content-type")
-                    && header.value.starts_with(b"text/event-stream");
             }
             _ => {}
         }
@@ -290,7 +285,12 @@ pub(super) fn plan_response(
         framing,
         reusable,
         close,
-        events: event_stream && matches!(framing, Framing::Chunked | Framing::Close),
+        // Looked for only in a body without a length: a sized response never ends early.
+        events: matches!(framing, Framing::Chunked | Framing::Close)
+            && response.headers.iter().any(|header| {
+                header.name.eq_ignore_ascii_case("content-type")
+                    && header.value.starts_with(b"text/event-stream")
+            }),
     })
 }
 
