@@ -308,6 +308,7 @@ impl Running {
         info!(
             trigger = %reason,
             grace_period = %humantime::format_duration(config.shutdown_grace_period),
+            close_spread_window = %humantime::format_duration(config.close_spread_window),
             lame_duck = %config.lame_duck,
             open_connections = self.conns.len(),
             "shutdown started"

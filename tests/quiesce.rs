@@ -201,6 +201,40 @@ fn the_grace_period_bounds_the_inbound_drain_and_resets_the_rest() {
 }
 
 #[test]
+fn the_quiesce_ends_long_lived_connections_in_its_close_spread_window() {
+    let echo = EchoServer::start();
+    let (_dir, socket) = shared_dir("spread");
+    let proxy = Proxy::start(&[
+        "--inbound",
+        &format!("127.0.0.1:0={}/tcp", echo.addr),
+        "--drain-socket",
+        &socket,
+        "--shutdown-grace-period=4s",
+        "--close-spread-window=2s",
+    ]);
+    let mut held = echo_connect(proxy.inbound[0]);
+    let started = Instant::now();
+    // The client closes once the proxy has ended its stream (a FIN), as clients do.
+    let client = std::thread::spawn(move || {
+        let (close, _) = support::wait_close(&mut held, PATIENCE);
+        let at = started.elapsed();
+        drop(held);
+        (close, at)
+    });
+    let (status, out, elapsed) = run_hook("prestop", &socket, &[]);
+    let (close, fin_at) = client.join().unwrap();
+    assert!(status.success(), "{out}");
+    assert_eq!(close, support::Close::Eof, "a FIN, not a reset");
+    assert!(
+        fin_at >= Duration::from_millis(1950) && fin_at < Duration::from_secs(4),
+        "the FIN came {fin_at:?} after the quiesce began; its window is the last 2 s of 4"
+    );
+    // Drained as soon as the client closed: nothing reset, the grace period not used up.
+    assert!(out.contains("ok inbound drained"), "{out}");
+    assert!(elapsed < Duration::from_secs(4), "{elapsed:?}");
+}
+
+#[test]
 fn poststart_after_a_container_restart_serves_inbound_again() {
     let (backend, _dir, socket, proxy) = quiescable("restart");
     let inbound = proxy.inbound[0];
