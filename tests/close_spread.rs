@@ -274,7 +274,7 @@ fn read_in_background(
 }
 
 #[test]
-fn http1_event_streams_end_cleanly_and_other_streaming_responses_are_cut_without_a_reset() {
+fn http1_event_streams_end_cleanly_and_other_responses_are_cut_without_a_reset() {
     use support::backend::{Backend, get, proxy_for, send_raw};
     let backend = Backend::start();
     // Both engines: the fast lane (the default) and hyper's.
@@ -290,17 +290,24 @@ fn http1_event_streams_end_cleanly_and_other_streaming_responses_are_cut_without
         let since = Instant::now();
         let events = read_in_background(send_raw(proxy.inbound[0], &get("/events")), since);
         let download = read_in_background(send_raw(proxy.inbound[0], &get("/forever")), since);
-        support::wait_until("both responses streaming", support::PATIENCE, || {
-            let conns = proxy.open_connections();
-            conns.len() == 2
-                && conns
+        let long_poll = read_in_background(send_raw(proxy.inbound[0], &get("/hang")), since);
+        support::wait_until(
+            "two responses streaming, one awaited",
+            support::PATIENCE,
+            || {
+                let conns = proxy.open_connections();
+                let streaming = conns
                     .iter()
-                    .all(|conn| conn["bytes_to_peer"].as_u64().unwrap_or(0) > 2048)
-        });
+                    .filter(|conn| conn["bytes_to_peer"].as_u64().unwrap_or(0) > 2048)
+                    .count();
+                conns.len() == 3 && streaming == 2
+            },
+        );
         let signalled = since.elapsed();
         proxy.signal(libc::SIGTERM);
         let (events, events_close, events_at) = events.join().unwrap();
         let (download, download_close, download_at) = download.join().unwrap();
+        let (long_poll, long_poll_close, long_poll_at) = long_poll.join().unwrap();
         let status = proxy.wait_exit(support::PATIENCE);
         let exited = since.elapsed() - signalled;
         // Server-sent events end with the last chunk: the client has a whole response, and
@@ -316,10 +323,19 @@ fn http1_event_streams_end_cleanly_and_other_streaming_responses_are_cut_without
             std::io::ErrorKind::UnexpectedEof,
             "{engine}: {error}"
         );
+        // A request still waiting for its response: its connection is closed (HTTP/1 cannot
+        // cancel a request otherwise), before a byte of a response.
+        let error = long_poll.expect_err("no response was made up");
+        assert_eq!(
+            error.kind(),
+            std::io::ErrorKind::ConnectionAborted,
+            "{engine}: {error}"
+        );
         // Both with a FIN, in the window (from 2 s after the signal), before the deadline.
         for (what, close, at) in [
             ("events", events_close, events_at),
             ("download", download_close, download_at),
+            ("long poll", long_poll_close, long_poll_at),
         ] {
             assert_eq!(close, support::Close::Eof, "{engine}: {what}");
             let after = at - signalled;

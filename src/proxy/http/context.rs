@@ -191,9 +191,16 @@ impl ConnCtx {
     }
 }
 
+impl ConnCtx {
+    /// Whether the connection's time in the close-spread window has come.
+    pub(super) fn streams_ending(&self) -> bool {
+        self.streams_ending.load(Ordering::Acquire)
+    }
+}
+
 impl Signal for Arc<ConnCtx> {
     fn ending(&self) -> bool {
-        self.streams_ending.load(Ordering::Acquire)
+        self.streams_ending()
     }
 
     fn token(&self) -> Option<&CancellationToken> {

@@ -134,11 +134,19 @@ fn forward(
         let mut sent = pin!(send(upstream, ctx.version, request.map(payload)));
         let mut limit = pin!(ctx.proxy.http.response_timeout.map(tokio::time::sleep));
         let interim = &ctx.interim;
-        // HTTP/2: the connection's time in the close-spread window may come first.
+        // The connection's time in the close-spread window may come first: HTTP/2's token
+        // wakes the stream's task; an HTTP/1 connection's task polls this future again right
+        // after setting the flag (h1.rs), so a load of it is all a poll costs.
         let mut ended = pin!(async {
             match &ctx.ending {
                 Some(ending) => ending.cancelled().await,
-                None => std::future::pending().await,
+                None => {
+                    std::future::poll_fn(|_| match ctx.streams_ending() {
+                        true => Poll::Ready(()),
+                        false => Poll::Pending,
+                    })
+                    .await
+                }
             }
         });
         let responded = std::future::poll_fn(|cx| {
@@ -162,7 +170,8 @@ fn forward(
                 let answer = Synthetic::no_response_in_time(target);
                 return Ok(error_response(&ctx, answer, in_flight));
             }
-            // Dropping the request cancels it at the app (HTTP/2 only: see `ended`).
+            // Dropping the request cancels it at the app: gRPC's client hears status 14;
+            // another HTTP/2 stream is reset (CANCEL), an HTTP/1 connection closed.
             Waited::Ended if grpc => return Ok(grpc_unavailable(in_flight, &ctx)),
             Waited::Ended => return Err(ending::cancel()),
         };

@@ -154,7 +154,7 @@ pub(super) async fn serve(
         };
         head_since = None;
         lane.start += request.head_len;
-        match lane.forward(&request, &mut terminate).await {
+        match lane.forward(&request, &mut terminate, &mut drain).await {
             // Closed as the response said, never otherwise: a drain that began after its head
             // went out leaves the connection to the next response (or the idle close), and a
             // client that was told nothing finds its next request answered.
@@ -476,6 +476,7 @@ impl<'a> FastLane<'a> {
         &mut self,
         request: &RequestPlan,
         terminate: &mut Pin<&mut Cancelled<'_>>,
+        listeners_closed: &mut Pin<&mut Cancelled<'_>>,
     ) -> Outcome {
         let ctx = self.ctx;
         ctx.request_started();
@@ -535,7 +536,8 @@ impl<'a> FastLane<'a> {
             .await;
             let head = match sent {
                 Ok(()) => {
-                    self.read_response_head(&mut conn, request, deadline, terminate)
+                    let watches = (&mut *terminate, &mut *listeners_closed);
+                    self.read_response_head(&mut conn, request, deadline, watches)
                         .await
                 }
                 Err(WriteFailed::Terminated) => return Outcome::Terminated,
@@ -572,11 +574,23 @@ impl<'a> FastLane<'a> {
                     return self.answer(&answer, request, &in_flight, terminate).await;
                 }
                 HeadRead::ClientGone => return Outcome::Cut,
+                // Its time in the close-spread window with no response yet: the connection
+                // closes (HTTP/1 has no way to cancel a request but closing).
+                HeadRead::Ended => {
+                    debug!("close spread: no response yet; closing the connection");
+                    ctx.proxy
+                        .metrics
+                        .ended_at_shutdown(ConnProtocol::Http1, true);
+                    return Outcome::Cut;
+                }
                 HeadRead::Terminated => return Outcome::Terminated,
             }
         };
         in_flight.record_code(ctx, response.code);
-        match self.forward_body(&mut conn, &response, terminate).await {
+        match self
+            .forward_body(&mut conn, &response, terminate, listeners_closed)
+            .await
+        {
             Ok(BodyEnd::Spread) => {
                 // Server-sent events ended at the connection's time in the close-spread
                 // window: the last chunk goes out, then the connection closes.
@@ -637,8 +651,10 @@ impl<'a> FastLane<'a> {
         conn: &mut PlainConn,
         request: &RequestPlan,
         deadline: Option<Instant>,
-        terminate: &mut Pin<&mut Cancelled<'_>>,
+        (terminate, listeners_closed): (&mut Pin<&mut Cancelled<'_>>, &mut Pin<&mut Cancelled<'_>>),
     ) -> HeadRead {
+        let ctx = self.ctx;
+        let mut slot = std::pin::pin!(None);
         if self.buf.upbuf.is_empty() {
             self.buf.upbuf = vec![0; BUFFER];
         }
@@ -683,12 +699,13 @@ impl<'a> FastLane<'a> {
             let read = wait(
                 |cx| {
                     if let Poll::Ready(read) = poll_read_into(target, upbuf, cx) {
-                        return Poll::Ready(Ok(read));
+                        return Poll::Ready(Some(Ok(read)));
                     }
                     if watch_client && let Poll::Ready(read) = poll_read_into(client, inbuf, cx) {
-                        return Poll::Ready(Err(read));
+                        return Poll::Ready(Some(Err(read)));
                     }
-                    Poll::Pending
+                    let at_slot = || close_spread::at_slot(&ctx.spread, ctx.conn());
+                    poll_slot(listeners_closed, &mut slot, at_slot, cx).map(|()| None)
                 },
                 terminate,
                 None,
@@ -697,25 +714,26 @@ impl<'a> FastLane<'a> {
             )
             .await;
             match read {
-                Waited::Ready(Ok(Ok(0))) | Waited::Ready(Ok(Err(_))) if !read_any => {
+                Waited::Ready(None) => return HeadRead::Ended,
+                Waited::Ready(Some(Ok(Ok(0)) | Ok(Err(_)))) if !read_any => {
                     return HeadRead::ClosedBeforeResponse;
                 }
-                Waited::Ready(Ok(Ok(0))) | Waited::Ready(Ok(Err(_))) => {
+                Waited::Ready(Some(Ok(Ok(0)) | Ok(Err(_)))) => {
                     return HeadRead::Bad(BadResponse::Unreadable);
                 }
-                Waited::Ready(Ok(Ok(n))) => {
+                Waited::Ready(Some(Ok(Ok(n)))) => {
                     read_any = true;
                     self.up_end += n;
                 }
-                Waited::Ready(Err(Ok(0))) => {
+                Waited::Ready(Some(Err(Ok(0)))) => {
                     debug!("the client half-closed; its response still goes out");
                     self.half_closed = true;
                 }
-                Waited::Ready(Err(Err(error))) => {
+                Waited::Ready(Some(Err(Err(error)))) => {
                     debug!(%error, "the client went away before the response");
                     return HeadRead::ClientGone;
                 }
-                Waited::Ready(Err(Ok(n))) => {
+                Waited::Ready(Some(Err(Ok(n)))) => {
                     self.end += n;
                     self.count_from_client(n);
                 }
@@ -734,11 +752,11 @@ impl<'a> FastLane<'a> {
         conn: &mut PlainConn,
         response: &ResponsePlan,
         terminate: &mut Pin<&mut Cancelled<'_>>,
+        listeners_closed: &mut Pin<&mut Cancelled<'_>>,
     ) -> Result<BodyEnd, Outcome> {
         let framing = response.framing;
         let limit = self.ctx.proxy.http.body_timeout;
-        // The connection's time in the close-spread window, watched while the body waits
-        // (made then: most bodies never wait).
+        let ctx = self.ctx;
         let mut slot = std::pin::pin!(None);
         let mut remaining = match framing {
             Framing::Length(length) => length,
@@ -792,15 +810,11 @@ impl<'a> FastLane<'a> {
             // Everything read so far was used: there is room (the limit is never reached).
             self.make_target_room(usize::MAX);
             let deadline = limit.map(|limit| Instant::now() + limit);
-            if slot.is_none() {
-                let ctx = self.ctx;
-                slot.set(Some(close_spread::at_slot(&ctx.spread, ctx.conn())));
-            }
             let (target, upbuf) = (&mut conn.stream, &mut self.buf.upbuf[self.up_end..]);
             let read = wait(
                 |cx| {
-                    let slot = slot.as_mut().as_pin_mut().expect("made above");
-                    if slot.poll(cx).is_ready() {
+                    let at_slot = || close_spread::at_slot(&ctx.spread, ctx.conn());
+                    if poll_slot(listeners_closed, &mut slot, at_slot, cx).is_ready() {
                         return Poll::Ready(None);
                     }
                     poll_read_into(target, upbuf, cx).map(Some)
@@ -855,6 +869,27 @@ enum BodyEnd {
     Spread,
 }
 
+/// Polls the connection's time in the close-spread window (`slot`, made by `make`), watched
+/// only once the listeners have closed, since the window opens after them: until then a wait
+/// pays one atomic load for it, and no registration with the window's token.
+fn poll_slot<F: Future<Output = ()>>(
+    listeners_closed: &mut Pin<&mut Cancelled<'_>>,
+    slot: &mut Pin<&mut Option<F>>,
+    make: impl FnOnce() -> F,
+    cx: &mut Context<'_>,
+) -> Poll<()> {
+    if slot.is_none() {
+        if listeners_closed.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        slot.set(Some(make()));
+    }
+    match slot.as_mut().as_pin_mut() {
+        Some(slot) => slot.poll(cx),
+        None => Poll::Pending,
+    }
+}
+
 /// How reading a response head ended.
 enum HeadRead {
     Response(ResponsePlan),
@@ -866,4 +901,6 @@ enum HeadRead {
     TimedOut,
     ClientGone,
     Terminated,
+    /// The connection's time in the close-spread window came first.
+    Ended,
 }
