@@ -31,7 +31,7 @@ use super::io::{ServerIo, linger};
 use super::service;
 use crate::close_spread;
 use crate::conns::{ConnProtocol, ConnState, Registration};
-use crate::drain::{ConnTokens, Watch};
+use crate::drain::{Cancelled, ConnTokens, Watch};
 use crate::metrics::Timeout;
 use crate::net;
 use crate::proxy::ProxyContext;
@@ -139,7 +139,8 @@ async fn serve_http2(
         .map(|limit| Quiet::new(limit, started()));
     let mut closed_by: Option<tokio::time::Instant> = None;
     let slot = close_spread::at_slot(&ctx.spread, ctx.conn());
-    tokio::pin!(slot);
+    let terminated = Cancelled::new(&ctx.terminate);
+    tokio::pin!(slot, terminated);
     let mut ending = false;
     loop {
         let first_seen = ctx.requests_seen.load(Ordering::Acquire);
@@ -206,7 +207,7 @@ async fn serve_http2(
                 return true;
             }
             // The grace period ran out, or a second signal.
-            _ = ctx.terminate.cancelled() => {
+            () = &mut terminated => {
                 reset_client(fd);
                 return true;
             }
