@@ -13,7 +13,7 @@ use std::fmt;
 use std::future::Future;
 use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 #[cfg(test)]
@@ -84,59 +84,18 @@ impl Phase {
     }
 }
 
-/// A cancellation token with a flag set just before it is cancelled: asking whether it has
-/// been is one atomic load, where `CancellationToken::is_cancelled` takes the token's lock,
-/// and these tokens are shared by every connection of a side, polled on every request.
-#[derive(Debug)]
-struct Trigger {
-    token: CancellationToken,
-    fired: AtomicBool,
-    /// The trigger whose firing fires this one too (its token is this token's parent).
-    parent: Option<Arc<Trigger>>,
-}
-
-impl Trigger {
-    fn new() -> Arc<Trigger> {
-        Arc::new(Trigger {
-            token: CancellationToken::new(),
-            fired: AtomicBool::new(false),
-            parent: None,
-        })
-    }
-
-    /// A trigger that fires with `parent`, or on its own.
-    fn child_of(parent: &Arc<Trigger>) -> Arc<Trigger> {
-        Arc::new(Trigger {
-            token: parent.token.child_token(),
-            fired: AtomicBool::new(false),
-            parent: Some(parent.clone()),
-        })
-    }
-
-    fn fire(&self) {
-        // The flag first: a waiter woken by the token finds it set.
-        self.fired.store(true, Ordering::Release);
-        self.token.cancel();
-    }
-
-    fn has_fired(&self) -> bool {
-        self.fired.load(Ordering::Acquire) || self.parent.as_ref().is_some_and(|p| p.has_fired())
-    }
-}
-
 /// A token that the code which listens to it cannot cancel: only [`Drain`] and [`Side`] do.
 #[derive(Clone, Debug)]
-pub struct Watch(Arc<Trigger>);
+pub struct Watch(CancellationToken);
 
 impl Watch {
     /// Resolves once the token is cancelled.
     pub fn cancelled(&self) -> WaitForCancellationFuture<'_> {
-        self.0.token.cancelled()
+        self.0.cancelled()
     }
 
-    /// One atomic load (two for a side's `terminate`).
     pub fn is_cancelled(&self) -> bool {
-        self.0.has_fired()
+        self.0.is_cancelled()
     }
 }
 
@@ -149,10 +108,10 @@ impl Watch {
 pub struct Side {
     /// Cancelled by [`Side::go_away`] when this side's connections must ask their peers to go
     /// away (HTTP `connection: close`, GOAWAY); opaque TCP ignores it.
-    go_away: Arc<Trigger>,
+    go_away: CancellationToken,
     /// Cancelled by [`Side::close`] when this side's listeners must stop accepting; each
     /// accept loop then accepts what is already queued and closes its socket.
-    stop_accepting: Arc<Trigger>,
+    stop_accepting: CancellationToken,
     /// Tracks this side's accept loops, so that [`Side::close`] knows when every listener is
     /// closed and every queued connection spawned.
     accept_loops: TaskTracker,
@@ -160,17 +119,17 @@ pub struct Side {
     /// clients that have not sent a byte are closed then. Not earlier, so that a client whose
     /// idle connection is closed reconnects to a closed port (refused, never sent) instead of
     /// racing the listener's close.
-    listeners_closed: Arc<Trigger>,
+    listeners_closed: CancellationToken,
     /// Tracks this side's connection tasks: [`Side::drained`] waits for them.
     connections: TaskTracker,
     /// Cancelled by [`Side::spread_close`] when the close-spread window opens: each connection
     /// still open then ends itself, as cleanly as its protocol allows, at the time the window
     /// gave it (src/close_spread.rs).
-    spread: Arc<Trigger>,
+    spread: CancellationToken,
     /// Cancelled by [`Side::force_close`] (the inbound quiesce, when its grace period runs
     /// out), and as a child of the drain's own with everything else ([`Drain::force_close`]):
     /// this side's connections are reset now.
-    terminate: Arc<Trigger>,
+    terminate: CancellationToken,
     /// The last new connection that tells an adaptive lame duck its peers still send here
     /// (its peer is not an ignored source): set by the accept loops, read by the lame duck.
     last_arrival: Mutex<Option<Arrival>>,
@@ -185,15 +144,15 @@ pub struct Arrival {
 }
 
 impl Side {
-    fn new(terminate: &Arc<Trigger>) -> Side {
+    fn new(terminate: &CancellationToken) -> Side {
         Side {
-            go_away: Trigger::new(),
-            stop_accepting: Trigger::new(),
+            go_away: CancellationToken::new(),
+            stop_accepting: CancellationToken::new(),
             accept_loops: TaskTracker::new(),
-            listeners_closed: Trigger::new(),
+            listeners_closed: CancellationToken::new(),
             connections: TaskTracker::new(),
-            spread: Trigger::new(),
-            terminate: Trigger::child_of(terminate),
+            spread: CancellationToken::new(),
+            terminate: terminate.child_token(),
             last_arrival: Mutex::new(None),
         }
     }
@@ -219,7 +178,7 @@ impl Side {
 
     /// Resolves when this side's listeners must stop accepting.
     pub fn stop_accepting(&self) -> WaitForCancellationFuture<'_> {
-        self.stop_accepting.token.cancelled()
+        self.stop_accepting.cancelled()
     }
 
     /// Runs a task that serves a connection of this side (or part of one: a tunnel, a parked
@@ -230,21 +189,21 @@ impl Side {
 
     /// Asks this side's connections to ask their peers to go away.
     pub fn go_away(&self) {
-        self.go_away.fire();
+        self.go_away.cancel();
     }
 
     /// Closes the listeners, waits until each has accepted its queue and closed, then tells
     /// the connections that the listeners are closed.
     pub async fn close(&self) {
-        self.stop_accepting.fire();
+        self.stop_accepting.cancel();
         self.accept_loops.close();
         self.accept_loops.wait().await;
-        self.listeners_closed.fire();
+        self.listeners_closed.cancel();
     }
 
     /// Resolves once [`Side::close`] has closed every listener.
     pub fn listeners_closed(&self) -> WaitForCancellationFuture<'_> {
-        self.listeners_closed.token.cancelled()
+        self.listeners_closed.cancelled()
     }
 
     /// Resolves once every connection task of this side has ended.
@@ -256,17 +215,17 @@ impl Side {
     /// Opens the close-spread window: every connection of this side ends at its time (one each
     /// connection was given before this call, or at once).
     pub fn spread_close(&self) {
-        self.spread.fire();
+        self.spread.cancel();
     }
 
     /// Resets this side's connections now and closes its listeners without waiting.
     pub fn force_close(&self) {
         // Reset first: a connection task on another worker thread that saw `listeners_closed`
         // before `terminate` would close its idle connection with a FIN instead of the reset.
-        self.terminate.fire();
-        self.go_away.fire();
-        self.stop_accepting.fire();
-        self.listeners_closed.fire();
+        self.terminate.cancel();
+        self.go_away.cancel();
+        self.stop_accepting.cancel();
+        self.listeners_closed.cancel();
     }
 
     /// What a new connection of this side listens to.
@@ -313,12 +272,12 @@ pub struct Drain {
     /// Cancelled by [`Drain::force_close`] when the grace period runs out or a second signal
     /// arrives: every side's `terminate` with it, so every connection task resets its sockets
     /// and ends.
-    terminate: Arc<Trigger>,
+    terminate: CancellationToken,
 }
 
 impl Default for Drain {
     fn default() -> Self {
-        let terminate = Trigger::new();
+        let terminate = CancellationToken::new();
         Drain {
             shutdown: CancellationToken::new(),
             reason: OnceLock::new(),
@@ -409,7 +368,7 @@ impl Drain {
     /// Resets every connection now, on every side (those of inbound sides replaced after a
     /// quiesce too), and closes the listeners without waiting.
     pub fn force_close(&self) {
-        self.terminate.fire();
+        self.terminate.cancel();
         for direction in [Direction::Inbound, Direction::Outbound] {
             self.side(direction).force_close();
         }
@@ -438,7 +397,7 @@ pin_project_lite::pin_project! {
     /// the token, a poll with the same waker is one atomic load instead of a poll of the token's
     /// `Notified` (which takes the token's lock). The token wakes that waker when it is cancelled.
     pub struct Cancelled<'a> {
-        trigger: &'a Trigger,
+        token: &'a CancellationToken,
         #[pin]
         wait: WaitForCancellationFuture<'a>,
         registered: Option<Waker>,
@@ -447,10 +406,10 @@ pin_project_lite::pin_project! {
 
 impl<'a> Cancelled<'a> {
     pub fn new(watch: &'a Watch) -> Cancelled<'a> {
-        let trigger = &*watch.0;
+        let token = &watch.0;
         Cancelled {
-            trigger,
-            wait: trigger.token.cancelled(),
+            token,
+            wait: token.cancelled(),
             registered: None,
         }
     }
@@ -461,7 +420,7 @@ impl Future for Cancelled<'_> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let this = self.project();
-        if this.trigger.has_fired() {
+        if this.token.is_cancelled() {
             return Poll::Ready(());
         }
         if let Some(waker) = this.registered.as_ref()
@@ -481,50 +440,29 @@ impl Future for Cancelled<'_> {
 mod tests {
     use super::*;
 
-    /// Waits on `watch` with a `Cancelled` polled twice first (the second poll is the cheap
-    /// one), then fires `fire` and expects the waiter to finish.
-    async fn wakes_when_fired(watch: Watch, fire: &Trigger) {
-        let waiter = tokio::spawn(async move {
-            let mut cancelled = std::pin::pin!(Cancelled::new(&watch));
-            for _ in 0..2 {
-                let pending = std::future::poll_fn(|cx| {
-                    Poll::Ready(cancelled.as_mut().poll(cx).is_pending())
-                });
-                assert!(pending.await);
-            }
-            cancelled.await;
-            assert!(watch.is_cancelled());
-        });
+    #[tokio::test]
+    async fn cancelled_wakes_the_task_that_polled_it_when_the_token_is_cancelled() {
+        let token = CancellationToken::new();
+        let waiter = {
+            let watch = Watch(token.clone());
+            tokio::spawn(async move {
+                let mut cancelled = std::pin::pin!(Cancelled::new(&watch));
+                // Pending twice with the same waker: the second poll is the cheap one.
+                for _ in 0..2 {
+                    let pending = std::future::poll_fn(|cx| {
+                        Poll::Ready(cancelled.as_mut().poll(cx).is_pending())
+                    });
+                    assert!(pending.await);
+                }
+                cancelled.await;
+            })
+        };
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!waiter.is_finished());
-        fire.fire();
+        token.cancel();
         tokio::time::timeout(Duration::from_secs(5), waiter)
             .await
             .expect("the cancelled future woke its task")
             .expect("the task ran to its end");
-    }
-
-    #[tokio::test]
-    async fn cancelled_wakes_the_task_that_polled_it_when_the_token_is_cancelled() {
-        let trigger = Trigger::new();
-        wakes_when_fired(Watch(trigger.clone()), &trigger).await;
-    }
-
-    #[tokio::test]
-    async fn a_child_fires_with_its_parent() {
-        // A side's `terminate` fires with the drain's: an inbound side replaced after a quiesce
-        // is reset by the drain's `force_close` too.
-        let parent = Trigger::new();
-        let child = Trigger::child_of(&parent);
-        assert!(!Watch(child.clone()).is_cancelled());
-        wakes_when_fired(Watch(child.clone()), &parent).await;
-        // And on its own, without firing its parent.
-        let parent = Trigger::new();
-        let child = Trigger::child_of(&parent);
-        wakes_when_fired(Watch(child.clone()), &child).await;
-        assert!(
-            !Watch(parent).is_cancelled(),
-            "a child does not fire its parent"
-        );
     }
 }

@@ -21,7 +21,7 @@ use super::websocket::{self, Frames};
 use crate::close_spread;
 use crate::config::Target;
 use crate::conns::{ConnProtocol, ConnState, Connection, Registration};
-use crate::drain::{Cancelled, ConnTokens, Watch};
+use crate::drain::{ConnTokens, Watch};
 use crate::metrics::Timeout;
 use crate::net::{OwnPorts, connect, reset};
 
@@ -105,10 +105,7 @@ pub async fn pipe(
     });
     tokio::pin!(upstream, downstream);
     let slot = close_spread::at_slot(spread, conn);
-    // Made once: each poll of it is then an atomic load (a fresh `cancelled()` in every turn
-    // of the loop would take the token's lock).
-    let terminated = Cancelled::new(terminate);
-    tokio::pin!(slot, terminated);
+    tokio::pin!(slot);
     let (mut up, mut down): (Option<Copied>, Option<Copied>) = (None, None);
     let from_peer = || conn.bytes_from_peer.load(Ordering::Relaxed);
     let to_peer = || conn.bytes_to_peer.load(Ordering::Relaxed);
@@ -126,7 +123,7 @@ pub async fn pipe(
         }
         tokio::select! {
             // The grace period ran out, or a second signal asked to stop now.
-            () = &mut terminated => break Err(io::Error::other("terminated by the shutdown")),
+            _ = terminate.cancelled() => break Err(io::Error::other("terminated by the shutdown")),
             // Its time in the close-spread window: each direction stops at its next read (a
             // WebSocket's, at its next frame boundary).
             () = &mut slot, if !ending => {
@@ -176,7 +173,7 @@ pub async fn pipe(
     match (outcome, up, down) {
         (Ok(()), Some(up), Some(down)) if ending => {
             let ended = tokio::select! {
-                () = &mut terminated => None,
+                _ = terminate.cancelled() => None,
                 ended = end(&client, &target, up, down) => Some(ended),
             };
             let clean = ended == Some(true);

@@ -31,7 +31,7 @@ use super::io::{ServerIo, linger};
 use super::service;
 use crate::close_spread;
 use crate::conns::{ConnProtocol, ConnState, Registration};
-use crate::drain::{Cancelled, ConnTokens, Watch};
+use crate::drain::{ConnTokens, Watch};
 use crate::metrics::Timeout;
 use crate::net;
 use crate::proxy::ProxyContext;
@@ -139,8 +139,7 @@ async fn serve_http2(
         .map(|limit| Quiet::new(limit, started()));
     let mut closed_by: Option<tokio::time::Instant> = None;
     let slot = close_spread::at_slot(&ctx.spread, ctx.conn());
-    let terminated = Cancelled::new(&ctx.terminate);
-    tokio::pin!(slot, terminated);
+    tokio::pin!(slot);
     let mut ending = false;
     loop {
         let first_seen = ctx.requests_seen.load(Ordering::Acquire);
@@ -207,7 +206,7 @@ async fn serve_http2(
                 return true;
             }
             // The grace period ran out, or a second signal.
-            () = &mut terminated => {
+            _ = ctx.terminate.cancelled() => {
                 reset_client(fd);
                 return true;
             }
