@@ -223,15 +223,14 @@ async fn http1_session(
                     Pin::new(&mut connection).graceful_shutdown();
                 }
             }
-            // Its time in the close-spread window: a response still streaming ends as its
-            // kind allows (ending.rs) when hyper polls its body next, right after this; an
-            // idle connection closes.
+            // Its time in the close-spread window: a response still streaming (or awaited)
+            // ends as its kind allows (ending.rs) when hyper polls it next, right after this,
+            // and no request follows it: an idle connection closes now, a busy one once its
+            // response has ended, whatever its head promised.
             () = &mut slot, if !ending => {
                 ending = true;
                 ctx.end_streams();
-                if idle() {
-                    Pin::new(&mut connection).graceful_shutdown();
-                }
+                Pin::new(&mut connection).graceful_shutdown();
             }
             // The grace period ran out, or a second signal.
             _ = &mut terminate => {
