@@ -9,6 +9,7 @@
 //! | `POST /shutdown` | `200 shutdown`, then the shutdown starts; checks: method (405), loopback peer (403), `Origin`/`Host` (403), enabled (404) |
 //! | `GET /connections` | loopback only: the open proxy connections as JSON |
 //! | `GET /status` | loopback only: the phase, the inbound quiesce and the time left, as JSON (`lameduck status` prints it for people) |
+//! | `GET /app-health/<container>/<probe>` | the app's own probe, run from inside the pod for the kubelet ([`probes`]) |
 //!
 //! "Loopback" is judged from the socket's peer address alone, never from headers. The query
 //! string is ignored; paths match exactly (`/shutdown/` is 404).
@@ -28,6 +29,11 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tracing::{debug, info, warn};
 
+mod probes;
+
+pub use probes::Prober;
+
+use crate::config::APP_HEALTH_PREFIX;
 use crate::conns::Connections;
 use crate::drain::{Drain, ShutdownReason};
 use crate::lame_duck::LameDuck;
@@ -46,6 +52,8 @@ pub struct Admin {
     pub shutdown_endpoint: bool,
     pub grace_period: Duration,
     pub lame_duck: Arc<LameDuck>,
+    /// The app's own probes, which the kubelet sends here.
+    pub prober: Prober,
 }
 
 /// Serves admin connections until the process exits.
@@ -72,9 +80,17 @@ async fn serve_connection(stream: tokio::net::TcpStream, peer: SocketAddr, admin
     let service = {
         let admin = admin.clone();
         let requested = shutdown_requested.clone();
-        hyper::service::service_fn(move |request| {
-            let response = handle(&admin, peer, &request, &requested);
-            async move { Ok::<_, Infallible>(response) }
+        hyper::service::service_fn(move |request: Request<Incoming>| {
+            let (admin, requested) = (admin.clone(), requested.clone());
+            async move {
+                let response = match request.uri().path() {
+                    path if path.starts_with(APP_HEALTH_PREFIX) => {
+                        app_probe(&admin.prober, &request).await
+                    }
+                    _ => handle(&admin, peer, &request, &requested),
+                };
+                Ok::<_, Infallible>(response)
+            }
         })
     };
     let result = hyper::server::conn::http1::Builder::new()
@@ -162,6 +178,28 @@ fn handle(
             response
         }
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
+    }
+}
+
+/// `GET /app-health/...`: the app's own probe, run now; 404 where the app declared none.
+async fn app_probe(prober: &Prober, request: &Request<Incoming>) -> Response<Full<Bytes>> {
+    let method = request.method();
+    if method != Method::GET && method != Method::HEAD {
+        return not_allowed("GET, HEAD");
+    }
+    let Some(probe) = prober.probe(request.uri().path()) else {
+        return text(StatusCode::NOT_FOUND, "no such app probe\n");
+    };
+    let user_agent = request.headers().get(hyper::header::USER_AGENT);
+    match prober.check(probe, user_agent).await {
+        probes::Verdict::Pass => text(StatusCode::OK, "ok\n"),
+        probes::Verdict::FailedWith(status) => {
+            text(status, format!("the app answered {}\n", status.as_u16()))
+        }
+        probes::Verdict::Failed(why) => {
+            debug!(path = request.uri().path(), %why, "an app probe failed");
+            text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n"))
+        }
     }
 }
 

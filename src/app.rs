@@ -16,7 +16,7 @@ use std::time::Duration;
 use tokio::net::{TcpListener, UnixListener};
 use tracing::{info, warn};
 
-use crate::admin::{self, Admin};
+use crate::admin::{self, Admin, Prober};
 use crate::close_spread;
 use crate::config::{Config, Direction, LameDuck as LameDuckPolicy, OutboundShutdown, Route};
 use crate::conns::Connections;
@@ -199,7 +199,15 @@ impl Bound {
             shutdown_endpoint: config.shutdown_endpoint,
             grace_period: config.shutdown_grace_period,
             lame_duck: lame_duck.clone(),
+            prober: Prober::new(config.app_probes.clone(), config.pod_ip),
         };
+        if !config.app_probes.is_empty() {
+            info!(
+                probes = config.app_probes.len(),
+                pod_ip = %config.pod_ip,
+                "running the app's probes for the kubelet on /app-health/"
+            );
+        }
         tokio::spawn(admin::serve(admin, Arc::new(admin_state)));
         info!(listen = %admin_addr, shutdown_endpoint = config.shutdown_endpoint, "admin server listening");
 

@@ -18,6 +18,10 @@ use std::time::Duration;
 
 use clap::Args;
 
+mod app_probes;
+
+pub use app_probes::{APP_HEALTH_PREFIX, AppProbe, AppProbes, Check};
+
 /// The inbound route used when neither `--inbound` nor `--outbound` names one.
 pub const DEFAULT_INBOUND_ROUTE: &str = "0.0.0.0:4143=127.0.0.1:8080";
 /// Where the admin server listens by default (kubelet probes and Prometheus reach it).
@@ -136,6 +140,17 @@ pub struct ProxyArgs {
     /// it again [env: LAMEDUCK_DRAIN_SOCKET] [default: none]
     #[arg(long, value_name = "PATH")]
     pub drain_socket: Option<String>,
+
+    /// The app containers' own probes, which the kubelet now sends to the admin server
+    /// (`/app-health/...`), as JSON: `lameduck inject` writes it (docs/kubernetes.md, "Probes")
+    /// [env: LAMEDUCK_APP_PROBES] [default: none]
+    #[arg(long, value_name = "JSON")]
+    pub app_probes: Option<String>,
+
+    /// The pod's address, to which the app probes go as the kubelet's went
+    /// [env: LAMEDUCK_POD_IP] [default: 127.0.0.1]
+    #[arg(long, value_name = "IP")]
+    pub pod_ip: Option<String>,
 
     /// How long connecting to a target may take [env: LAMEDUCK_CONNECT_TIMEOUT] [default: 5s]
     #[arg(long, value_name = "DURATION")]
@@ -405,6 +420,10 @@ pub struct Config {
     pub shutdown_endpoint: bool,
     /// The control socket of the inbound quiesce (docs/pod-lifecycle.md).
     pub drain_socket: Option<PathBuf>,
+    /// The app's own probes, run by the admin server for the kubelet.
+    pub app_probes: AppProbes,
+    /// Where the app probes go (the kubelet sent them to the pod's address).
+    pub pod_ip: IpAddr,
     pub connect_timeout: Duration,
     pub http: HttpConfig,
     pub tcp: TcpConfig,
@@ -582,6 +601,16 @@ const DRAIN_SOCKET: Setting = Setting {
     flag: "--drain-socket",
     var: "LAMEDUCK_DRAIN_SOCKET",
     example: "/lameduck/drain.sock",
+};
+const APP_PROBES: Setting = Setting {
+    flag: "--app-probes",
+    var: "LAMEDUCK_APP_PROBES",
+    example: r#"{"/app-health/app/readyz": {"httpGet": {"path": "/healthz", "port": 8080}}}"#,
+};
+const POD_IP: Setting = Setting {
+    flag: "--pod-ip",
+    var: "LAMEDUCK_POD_IP",
+    example: "10.244.1.7 or fd00::7",
 };
 const CONNECT_TIMEOUT: Setting = Setting {
     flag: "--connect-timeout",
@@ -880,6 +909,19 @@ impl Config {
             Some(raw) => Some(parse_socket_path(&raw, DRAIN_SOCKET.example)?),
             None => None,
         };
+        let app_probes = match lookup(&APP_PROBES, args.app_probes)? {
+            Some(raw) => AppProbes::parse(&raw.value)
+                .map_err(|reason| raw.error(reason, APP_PROBES.example))?,
+            None => AppProbes::default(),
+        };
+        let pod_ip = match lookup(&POD_IP, args.pod_ip)? {
+            Some(raw) => raw
+                .value
+                .trim()
+                .parse::<IpAddr>()
+                .map_err(|_| raw.error("expected an IPv4 or IPv6 address", POD_IP.example))?,
+            None => IpAddr::from([127, 0, 0, 1]),
+        };
         let positive = |setting: &Setting, flag: Option<String>, default: Duration| match lookup(
             setting, flag,
         )? {
@@ -996,6 +1038,8 @@ impl Config {
             outbound_shutdown,
             shutdown_endpoint,
             drain_socket,
+            app_probes,
+            pod_ip,
             connect_timeout,
             http,
             tcp,

@@ -889,3 +889,117 @@ fn lame_duck_annotations_choose_fixed_or_adaptive() {
         assert!(err.contains(named), "{annotations}: {err}");
     }
 }
+
+/// The app containers' network probes go to the proxy's admin port, which never counts as
+/// traffic for the lame duck (the kubelet's probes come from the bridge's address on most
+/// network plugins); the proxy gets the originals, ports resolved, and accepts them as they
+/// are written; what cannot be rewritten, and what the annotation keeps, stays as it was.
+#[test]
+fn network_probes_are_pointed_at_the_admin_port_and_kept_for_the_proxy() {
+    let (out, err) = golden(
+        &dir().join("probes.yaml"),
+        &[],
+        &dir().join("probes.out.yaml"),
+    );
+    let docs: Vec<serde_json::Value> = serde_norway::Deserializer::from_str(&out)
+        .map(|doc| {
+            use serde::Deserialize;
+            serde_json::to_value(serde_norway::Value::deserialize(doc).unwrap()).unwrap()
+        })
+        .collect();
+    let spec = &docs[0]["spec"]["template"]["spec"];
+    let web = &spec["containers"][0];
+    for (field, kind, kept) in [
+        ("readinessProbe", "readyz", "periodSeconds"),
+        ("livenessProbe", "livez", "initialDelaySeconds"),
+        ("startupProbe", "startupz", "failureThreshold"),
+    ] {
+        let probe = &web[field];
+        assert_eq!(
+            probe["httpGet"],
+            serde_json::json!({"path": format!("/app-health/web/{kind}"), "port": 4191, "scheme": "HTTP"}),
+            "{field}"
+        );
+        assert!(probe[kept].is_u64(), "{field} keeps {kept}: {probe}");
+        assert!(probe.get("tcpSocket").is_none() && probe.get("grpc").is_none());
+    }
+    let admin = &spec["containers"][1];
+    assert_eq!(admin["readinessProbe"]["httpGet"]["port"], 4191);
+    assert_eq!(admin["livenessProbe"]["exec"]["command"][0], "cat");
+    assert_eq!(admin["startupProbe"]["httpGet"]["port"], "metrics");
+    assert!(
+        err.contains("the startupProbe of container admin is kept as it is")
+            && err.contains("no port named \"metrics\""),
+        "{err}"
+    );
+    let proxy = &spec["initContainers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "lameduck-proxy")
+        .unwrap()["env"];
+    let env = |name: &str| {
+        proxy
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|var| var["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name} in {proxy}"))
+    };
+    let originals: serde_json::Value =
+        serde_json::from_str(env("LAMEDUCK_APP_PROBES")["value"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        originals,
+        serde_json::json!({
+            "/app-health/web/readyz": {"httpGet": {"path": "/healthz", "port": 8080,
+                "httpHeaders": [{"name": "X-Probe", "value": "ready"}]}, "timeoutSeconds": 2},
+            "/app-health/web/livez": {"tcpSocket": {"port": 8080}},
+            "/app-health/web/startupz": {"grpc": {"port": 9090, "service": "shop"}},
+            "/app-health/admin/readyz": {"httpGet": {"path": "/ready?full=1", "port": 8443,
+                "scheme": "HTTPS"}},
+        })
+    );
+    assert_eq!(
+        env("LAMEDUCK_POD_IP")["valueFrom"]["fieldRef"]["fieldPath"],
+        "status.podIP"
+    );
+    // The proxy takes the setting as inject wrote it, and answers the kubelet on each path.
+    let value = env("LAMEDUCK_APP_PROBES")["value"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut command = support::command();
+    command.env("LAMEDUCK_APP_PROBES", &value);
+    // The pod's address: TEST-NET-1, where no app answers on this machine.
+    let proxy = support::Proxy::start_command(
+        &mut command,
+        &[
+            "--inbound",
+            "127.0.0.1:0=127.0.0.1:9",
+            "--pod-ip",
+            "192.0.2.1",
+        ],
+    );
+    assert_eq!(
+        proxy
+            .logs
+            .wait_event("running the app's probes for the kubelet on /app-health/")["fields"]["probes"],
+        4
+    );
+    // No app answers there: every probe fails (within its timeout), none is unknown.
+    std::thread::scope(|scope| {
+        for path in originals.as_object().unwrap().keys() {
+            let proxy = &proxy;
+            scope.spawn(move || assert_eq!(proxy.get(path).status, 503, "{path}"));
+        }
+    });
+    assert_eq!(proxy.get("/app-health/web/other").status, 404);
+    // Opted out: the probe stays, and the proxy gets none.
+    let legacy = &docs[1]["spec"]["template"]["spec"];
+    assert_eq!(
+        legacy["containers"][0]["readinessProbe"]["httpGet"]["port"],
+        8080
+    );
+    assert!(!docs[1].to_string().contains("LAMEDUCK_APP_PROBES"));
+}

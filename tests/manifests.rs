@@ -69,8 +69,10 @@ fn assert_same_to_kubectl(kubectl: &Path, input: &str, output: &str, what: &str)
         injected += 1;
         let mut undone = after.clone();
         undo_injection(&mut undone, &name);
+        let mut before = before.clone();
+        resolve_probe_ports(&mut before);
         assert_eq!(
-            &undone, before,
+            undone, before,
             "{name}: kubectl reads more than the documented additions in inject's output"
         );
     }
@@ -124,12 +126,24 @@ fn pod_spec(object: &mut Value) -> Option<&mut Value> {
 /// and set aside by [`without_pod_grace`]).
 fn undo_injection(object: &mut Value, name: &str) {
     let spec = pod_spec(object).unwrap_or_else(|| panic!("{name}: changed but not a workload"));
+    // The app's probes, which inject points at the admin port, as the proxy was given them.
+    let originals: Value = ["initContainers", "containers"]
+        .iter()
+        .filter_map(|list| spec[list].as_array())
+        .flatten()
+        .filter(|container| container["name"] == "lameduck-proxy")
+        .filter_map(|proxy| proxy["env"].as_array())
+        .flatten()
+        .find(|var| var["name"] == "LAMEDUCK_APP_PROBES")
+        .map(|var| serde_json::from_str(var["value"].as_str().unwrap()).unwrap())
+        .unwrap_or(Value::Null);
     let ours = ["lameduck-init", "lameduck-install", "lameduck-proxy"];
     for list in ["initContainers", "containers"] {
         if let Some(containers) = spec[list].as_array_mut() {
             containers.retain(|c| !ours.contains(&c["name"].as_str().unwrap_or_default()));
             for container in containers.iter_mut() {
                 undo_container(container);
+                undo_probes(container, &originals);
             }
             if containers.is_empty() {
                 spec.as_object_mut().unwrap().remove(list);
@@ -140,6 +154,63 @@ fn undo_injection(object: &mut Value, name: &str) {
     volumes.retain(|volume| volume["name"] != "lameduck-bin");
     if volumes.is_empty() {
         spec.as_object_mut().unwrap().remove("volumes");
+    }
+}
+
+/// Each probe inject pointed at the admin port, back as the app declared it (named ports
+/// resolved: see [`resolve_probe_ports`]).
+fn undo_probes(container: &mut Value, originals: &Value) {
+    for field in ["readinessProbe", "livenessProbe", "startupProbe"] {
+        let Some(probe) = container.get_mut(field).and_then(Value::as_object_mut) else {
+            continue;
+        };
+        let Some(path) = probe
+            .get("httpGet")
+            .filter(|get| get["port"] == 4191)
+            .and_then(|get| get["path"].as_str())
+            .map(str::to_string)
+        else {
+            continue;
+        };
+        let original = originals[&path]
+            .as_object()
+            .unwrap_or_else(|| panic!("{path}: rewritten, but the proxy does not run it"));
+        probe.remove("httpGet");
+        for handler in ["httpGet", "tcpSocket", "grpc"] {
+            if let Some(action) = original.get(handler) {
+                probe.insert(handler.into(), action.clone());
+            }
+        }
+    }
+}
+
+/// Probes' named ports as the numbers of the container's ports of those names (inject hands
+/// the proxy numbers, which is what the kubelet resolves them to).
+fn resolve_probe_ports(object: &mut Value) {
+    let Some(spec) = pod_spec(object) else { return };
+    for list in ["initContainers", "containers"] {
+        let containers = spec.get_mut(list).and_then(Value::as_array_mut);
+        for container in containers.into_iter().flatten() {
+            let ports = container.get("ports").cloned().unwrap_or_default();
+            for field in ["readinessProbe", "livenessProbe", "startupProbe"] {
+                for handler in ["httpGet", "tcpSocket"] {
+                    let Some(port) = container.pointer_mut(&format!("/{field}/{handler}/port"))
+                    else {
+                        continue;
+                    };
+                    let Some(name) = port.as_str() else { continue };
+                    let number = ports
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .find(|declared| declared["name"] == name)
+                        .map(|declared| declared["containerPort"].clone());
+                    if let Some(number) = number {
+                        *port = number;
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -199,6 +199,7 @@ fn pod(name: &str, annotations: Value, owner: Option<&str>) -> Value {
                 "name": "app",
                 "image": "registry.example/app:1",
                 "ports": [{"containerPort": 8080, "protocol": "TCP"}],
+                "readinessProbe": {"httpGet": {"path": "/healthz", "port": 8080}},
                 "resources": {},
             }],
             "restartPolicy": "Always",
@@ -306,6 +307,11 @@ fn pods_get_exactly_what_inject_writes_and_everything_else_is_allowed_unchanged(
             "{name}: the patch applied is inject's output"
         );
     }
+    // The app's probe goes to the proxy's admin port, as inject does it.
+    assert_eq!(
+        inject(&deployment_pod)["spec"]["containers"][0]["readinessProbe"]["httpGet"],
+        json!({"path": "/app-health/app/readyz", "port": 4191, "scheme": "HTTP"})
+    );
     // A Job's pod completes at once: no lame duck (the pod says whose it is).
     let injected = inject(&job_pod);
     let proxy = &injected["spec"]["initContainers"]

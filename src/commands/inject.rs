@@ -29,7 +29,6 @@
 //!   since no proxy serves them yet.
 //! - Idempotent: a pod template that already has `lameduck-proxy` is left alone.
 
-use std::fmt;
 use std::time::Duration;
 
 use serde_norway::{Mapping, Value};
@@ -37,8 +36,14 @@ use serde_norway::{Mapping, Value};
 use super::iptables::PROXY_UID;
 use crate::config::{Raw, parse_bool, parse_duration};
 
+mod probes;
 mod read;
+mod skip;
+mod spec;
 mod write;
+
+pub use spec::{InjectError, PROXY_NAME};
+use spec::{Object, app_containers, container_name, has_container, map, sequence, yaml};
 
 pub const ANNOTATION_INJECT: &str = "lameduck.io/inject";
 pub const ANNOTATION_GRACE: &str = "lameduck.io/shutdown-grace-period";
@@ -57,7 +62,8 @@ pub const ANNOTATION_SKIP_OUTBOUND_PORTS: &str = "lameduck.io/skip-outbound-port
 pub const ANNOTATION_SKIP_OUTBOUND_CIDRS: &str = "lameduck.io/skip-outbound-cidrs";
 pub const ANNOTATION_LINKERD_SKIP_INBOUND_PORTS: &str = "config.linkerd.io/skip-inbound-ports";
 pub const ANNOTATION_LINKERD_SKIP_OUTBOUND_PORTS: &str = "config.linkerd.io/skip-outbound-ports";
-const KNOWN: [&str; 14] = [
+pub const ANNOTATION_REWRITE_PROBES: &str = "lameduck.io/rewrite-probes";
+const KNOWN: [&str; 15] = [
     ANNOTATION_INJECT,
     ANNOTATION_GRACE,
     ANNOTATION_CLOSE_SPREAD,
@@ -72,10 +78,9 @@ const KNOWN: [&str; 14] = [
     ANNOTATION_SKIP_INBOUND_PORTS,
     ANNOTATION_SKIP_OUTBOUND_PORTS,
     ANNOTATION_SKIP_OUTBOUND_CIDRS,
+    ANNOTATION_REWRITE_PROBES,
 ];
 
-/// The proxy container's name; its presence marks a pod template as injected.
-pub const PROXY_NAME: &str = "lameduck-proxy";
 /// Seconds between the proxy's grace period and the pod's, for the proxy to exit in.
 pub const GRACE_MARGIN_SECONDS: u64 = 5;
 /// The longest adaptive lame duck inject configures when the workload chooses no lame duck
@@ -117,18 +122,6 @@ pub struct Injected {
     pub yaml: String,
     pub notes: Vec<String>,
 }
-
-/// Input that cannot be injected: bad YAML or a bad annotation.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InjectError(pub String);
-
-impl fmt::Display for InjectError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for InjectError {}
 
 /// Injects every pod template in a stream of YAML documents.
 ///
@@ -270,52 +263,6 @@ fn inject_object(
     }
 }
 
-/// Names a Kubernetes object in messages: `Deployment default/web`.
-struct Object {
-    kind: String,
-    namespace: String,
-    name: String,
-}
-
-impl Object {
-    fn of(kind: &str, document: &Value) -> Object {
-        let metadata = document.get("metadata");
-        let field = |key: &str| {
-            metadata
-                .and_then(|m| m.get(key))
-                .and_then(Value::as_str)
-                .map(str::to_string)
-        };
-        Object {
-            kind: kind.to_string(),
-            namespace: field("namespace").unwrap_or_else(|| "default".into()),
-            name: field("name")
-                .or_else(|| field("generateName"))
-                .unwrap_or_else(|| "<unnamed>".into()),
-        }
-    }
-
-    fn error(&self, message: impl fmt::Display) -> InjectError {
-        InjectError(self.note(message))
-    }
-
-    /// A note for stderr (or the webhook's warnings) about this object.
-    fn note(&self, message: impl fmt::Display) -> String {
-        format!("{} {}/{}: {message}", self.kind, self.namespace, self.name)
-    }
-
-    fn annotation_error(
-        &self,
-        annotation: &str,
-        value: &str,
-        reason: impl fmt::Display,
-    ) -> InjectError {
-        self.error(format!(
-            "annotation {annotation}: invalid value {value:?}: {reason}"
-        ))
-    }
-}
-
 /// The settings one pod template's annotations ask for.
 struct Settings {
     grace: Duration,
@@ -330,6 +277,8 @@ struct Settings {
     /// Transparent interception (the default), with what its rules skip; `None` for the
     /// explicit mode, where Services point at the proxy's port.
     intercept: Option<Intercept>,
+    /// The app containers' network probes go to the proxy's admin port (`probes.rs`).
+    rewrite_probes: bool,
 }
 
 /// The lame duck a pod template asks for (docs/pod-lifecycle.md).
@@ -393,19 +342,8 @@ fn inject_template(
     {
         return Ok(());
     }
-    if spec.get("hostNetwork") == Some(&Value::Bool(true)) {
-        notes.push(object.note(
-            "not injected: it uses the node's network (hostNetwork), where the NAT rules would \
-             catch every connection of the node and outlive the pod, and the proxy's ports would \
-             be the node's",
-        ));
-        return Ok(());
-    }
-    if let Some(mesh) = other_mesh(template) {
-        notes.push(object.note(format!(
-            "not injected: it is meshed by {mesh}; two proxies would compete for its traffic \
-             and ports. Take it out of that mesh to mesh it with lameduck"
-        )));
+    if let Some(why) = skip::why_not(template) {
+        notes.push(object.note(format!("not injected: {why}")));
         return Ok(());
     }
     let spec = template
@@ -438,7 +376,11 @@ fn inject_template(
         }
         endpoint = Some(true);
     }
-    let proxy = proxy_container(&settings, endpoint, options);
+    let app_probes = match settings.rewrite_probes {
+        true => probes::rewrite(spec, object, ADMIN_PORT, notes),
+        false => None,
+    };
+    let proxy = proxy_container(&settings, endpoint, app_probes.as_deref(), options);
     hook_app_containers(spec, object, !settings.native, notes);
     if settings.native {
         sequence(spec, "initContainers").insert(0, proxy);
@@ -462,60 +404,6 @@ fn inject_template(
         }
     }
     Ok(())
-}
-
-/// Containers that another mesh adds to the pods it meshes (Linkerd, Istio).
-const OTHER_MESH_CONTAINERS: [(&str, &str); 5] = [
-    ("linkerd-proxy", "Linkerd"),
-    ("linkerd-init", "Linkerd"),
-    ("istio-proxy", "Istio"),
-    ("istio-init", "Istio"),
-    ("istio-validation", "Istio"),
-];
-
-/// The mesh that has meshed, or will mesh, this pod template, and how it shows: one of its
-/// containers, or the annotation or label that asks it to inject (a namespace's labels are not
-/// in the manifest; the admission webhooks of both meshes then see our proxy and skip, or the
-/// pod fails to start, which the warning in docs/kubernetes.md covers).
-fn other_mesh(template: &Value) -> Option<String> {
-    let spec = template.get("spec")?;
-    for list in ["initContainers", "containers"] {
-        for container in spec
-            .get(list)
-            .and_then(Value::as_sequence)
-            .into_iter()
-            .flatten()
-        {
-            let name = container_name(container);
-            if let Some((_, mesh)) = OTHER_MESH_CONTAINERS.iter().find(|(n, _)| *n == name) {
-                return Some(format!("{mesh} (container {name})"));
-            }
-        }
-    }
-    let metadata = template.get("metadata");
-    let entry = |map: &str, key: &str| -> Option<String> {
-        let value = metadata?.get(map)?.get(key)?;
-        match value {
-            Value::String(text) => Some(text.clone()),
-            Value::Bool(flag) => Some(flag.to_string()),
-            _ => None,
-        }
-    };
-    let asks = |map: &str, key: &str, values: &[&str]| {
-        entry(map, key)
-            .filter(|value| values.contains(&value.as_str()))
-            .map(|value| format!("{map} {key}: {value}"))
-    };
-    let linkerd = asks("annotations", "linkerd.io/inject", &["enabled", "ingress"]);
-    let istio = asks("labels", "sidecar.istio.io/inject", &["true"])
-        .or_else(|| asks("annotations", "sidecar.istio.io/inject", &["true"]))
-        .or_else(|| {
-            entry("labels", "istio.io/rev").map(|rev| format!("labels istio.io/rev: {rev}"))
-        })
-        .or_else(|| asks("labels", "istio.io/dataplane-mode", &["ambient"]));
-    linkerd
-        .map(|how| format!("Linkerd ({how})"))
-        .or_else(|| istio.map(|how| format!("Istio ({how})")))
 }
 
 /// The init container that installs the pod's NAT rules (`lameduck iptables`), before
@@ -766,6 +654,7 @@ fn settings<'a>(
         None => None,
     };
     Ok(Settings {
+        rewrite_probes: enabled(ANNOTATION_REWRITE_PROBES)?.unwrap_or(true),
         grace,
         raise_pod_grace_to,
         lame_duck,
@@ -848,6 +737,7 @@ fn declared_ports(spec: &Value) -> Vec<u16> {
 fn proxy_container(
     settings: &Settings,
     shutdown_endpoint: Option<bool>,
+    app_probes: Option<&str>,
     options: &InjectOptions,
 ) -> Value {
     let mut env = vec![env_var(
@@ -884,6 +774,14 @@ fn proxy_container(
         ));
     }
     env.push(env_var("LAMEDUCK_DRAIN_SOCKET", SHARED_SOCKET));
+    if let Some(app_probes) = app_probes {
+        // The app's probes, which the kubelet now sends to the admin port, go to the pod's
+        // address as the kubelet's did.
+        env.push(env_var("LAMEDUCK_APP_PROBES", app_probes));
+        env.push(yaml(
+            "{name: LAMEDUCK_POD_IP, valueFrom: {fieldRef: {fieldPath: status.podIP}}}",
+        ));
+    }
     if let Some(enabled) = shutdown_endpoint {
         env.push(env_var(
             "LAMEDUCK_SHUTDOWN_ENDPOINT",
@@ -1112,48 +1010,6 @@ fn install_binary(spec: &mut Value, options: &InjectOptions) {
     sequence(spec, "initContainers").insert(0, Value::Mapping(install));
 }
 
-/// The pod's app containers: every entry of `containers` but the proxy.
-fn app_containers(spec: &mut Value) -> impl Iterator<Item = &mut Value> {
-    sequence(spec, "containers")
-        .iter_mut()
-        .filter(|container| container_name(container) != PROXY_NAME)
-        .filter(|container| container.is_mapping())
-}
-
-fn container_name(container: &Value) -> String {
-    container
-        .get("name")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string()
-}
-
-fn has_container(spec: &Value, list: &str, name: &str) -> bool {
-    spec.get(list)
-        .and_then(Value::as_sequence)
-        .is_some_and(|containers| {
-            containers
-                .iter()
-                .any(|c| c.get("name").and_then(Value::as_str) == Some(name))
-        })
-}
-
-/// The mapping inside `value`, which the caller has checked is one.
-fn map(value: &mut Value) -> &mut Mapping {
-    value.as_mapping_mut().expect("checked to be a mapping")
-}
-
-/// The sequence at `key`, created when missing (or replaced when not a sequence).
-fn sequence<'a>(value: &'a mut Value, key: &str) -> &'a mut Vec<Value> {
-    let map = map(value);
-    if !map.get(key).is_some_and(Value::is_sequence) {
-        map.insert(key.into(), Value::Sequence(Vec::new()));
-    }
-    map.get_mut(key)
-        .and_then(Value::as_sequence_mut)
-        .expect("just made a sequence")
-}
-
 fn env_var(name: &str, value: &str) -> Value {
     let mut var = Mapping::new();
     var.insert("name".into(), name.into());
@@ -1171,11 +1027,6 @@ fn probe(path: &str, period: u32, failures: u32) -> Value {
     yaml(&format!(
         "{{httpGet: {{path: {path}, port: lameduck-admin}}, periodSeconds: {period}, failureThreshold: {failures}}}"
     ))
-}
-
-/// A fixed YAML fragment written in this file.
-fn yaml(text: &str) -> Value {
-    serde_norway::from_str(text).expect("fragments in this file are valid YAML")
 }
 
 /// `90s`, or `1500ms` when not whole seconds.
