@@ -192,6 +192,11 @@ impl Bound {
         let conns = Arc::new(Connections::default());
         let metrics = Arc::new(Metrics::new(conns.clone(), drain.clone()));
         let lame_duck = Arc::new(LameDuck::new(config.lame_duck, metrics.clone()));
+        if matches!(config.lame_duck, LameDuckPolicy::Adaptive { .. }) {
+            // The rate the inbound side served before a lame duck tells how telling its
+            // silences are (src/arrivals.rs).
+            tokio::spawn(lame_duck.clone().sample_every_second());
+        }
         let admin_state = Admin {
             drain: drain.clone(),
             conns: conns.clone(),

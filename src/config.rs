@@ -31,9 +31,10 @@ pub const DEFAULT_SHUTDOWN_GRACE_PERIOD: Duration = Duration::from_secs(120);
 /// How long listeners keep accepting after the shutdown trigger, when no adaptive lame duck is
 /// asked for.
 pub const DEFAULT_LAME_DUCK_PERIOD: Duration = Duration::ZERO;
-/// An adaptive lame duck ends once no new connection has arrived for this long
+/// The shortest silence that ends an adaptive lame duck: each source of new connections must be
+/// silent for a window that follows its own rate (src/arrivals.rs), never shorter than this
 /// (docs/pod-lifecycle.md says why this figure).
-pub const DEFAULT_LAME_DUCK_QUIET_WINDOW: Duration = Duration::from_secs(1);
+pub const DEFAULT_LAME_DUCK_QUIET_WINDOW: Duration = Duration::from_millis(250);
 /// An adaptive lame duck lasts at least this long, however quiet.
 pub const DEFAULT_LAME_DUCK_MIN: Duration = Duration::from_secs(2);
 /// The close-spread window when none is asked for (at most half the grace period): the part of
@@ -110,8 +111,9 @@ pub struct ProxyArgs {
     #[arg(long, value_name = "DURATION")]
     pub lame_duck_max: Option<String>,
 
-    /// An adaptive lame duck ends once no new connection has arrived for this long
-    /// [env: LAMEDUCK_LAME_DUCK_QUIET_WINDOW] [default: 1s]
+    /// The shortest silence that ends an adaptive lame duck: it ends once every source of new
+    /// connections has been silent for a window that follows its own rate, never shorter than
+    /// this [env: LAMEDUCK_LAME_DUCK_QUIET_WINDOW] [default: 250ms]
     #[arg(long, value_name = "DURATION")]
     pub lame_duck_quiet_window: Option<String>,
 
@@ -349,7 +351,7 @@ impl fmt::Display for LameDuck {
             LameDuck::Fixed(period) => write!(f, "fixed {}", show(period)),
             LameDuck::Adaptive { quiet, min, max } => write!(
                 f,
-                "adaptive: until {} without a new connection, {} to {}",
+                "adaptive: until every source is quiet for its window (at least {}), {} to {}",
                 show(quiet),
                 show(min),
                 show(max)

@@ -13,7 +13,7 @@ use std::fmt;
 use std::future::Future;
 use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 #[cfg(test)]
@@ -23,6 +23,7 @@ use std::time::{Instant, SystemTime};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 use tokio_util::task::TaskTracker;
 
+use crate::arrivals::{Arrivals, Holder, Rule};
 use crate::config::Direction;
 use crate::sync::lock;
 
@@ -106,6 +107,7 @@ impl Watch {
 /// connections and listeners of the old one drain on as they were.
 #[derive(Debug)]
 pub struct Side {
+    pub direction: Direction,
     /// Cancelled by [`Side::go_away`] when this side's connections must ask their peers to go
     /// away (HTTP `connection: close`, GOAWAY); opaque TCP ignores it.
     go_away: CancellationToken,
@@ -130,22 +132,19 @@ pub struct Side {
     /// out), and as a child of the drain's own with everything else ([`Drain::force_close`]):
     /// this side's connections are reset now.
     terminate: CancellationToken,
-    /// The last new connection that tells an adaptive lame duck its peers still send here
-    /// (its peer is not an ignored source): set by the accept loops, read by the lame duck.
-    last_arrival: Mutex<Option<Arrival>>,
-}
-
-/// A new connection, as the lame duck sees it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Arrival {
-    /// Tokio's clock, so that tests can pause it.
-    pub at: tokio::time::Instant,
-    pub from: IpAddr,
+    /// Set by [`Side::record_arrivals`] when an adaptive lame duck starts: from then on the
+    /// accept loops write the new connections that tell it its peers still send here into
+    /// `arrivals` (before, an accept costs no lock for it).
+    recording: AtomicBool,
+    /// The new connections since the lame duck started, by source (src/arrivals.rs), and when
+    /// it started; read by the lame duck, and after it by the linger.
+    arrivals: Mutex<Option<(tokio::time::Instant, Arrivals)>>,
 }
 
 impl Side {
-    fn new(terminate: &CancellationToken) -> Side {
+    fn new(direction: Direction, terminate: &CancellationToken) -> Side {
         Side {
+            direction,
             go_away: CancellationToken::new(),
             stop_accepting: CancellationToken::new(),
             accept_loops: TaskTracker::new(),
@@ -153,21 +152,52 @@ impl Side {
             connections: TaskTracker::new(),
             spread: CancellationToken::new(),
             terminate: terminate.child_token(),
-            last_arrival: Mutex::new(None),
+            recording: AtomicBool::new(false),
+            arrivals: Mutex::new(None),
         }
     }
 
-    /// Records a new connection from `from` that counts for the lame duck.
-    pub fn arrived(&self, from: IpAddr) {
-        *lock(&self.last_arrival) = Some(Arrival {
-            at: tokio::time::Instant::now(),
-            from,
-        });
+    /// Starts the book of new connections of a lame duck starting now, which expects
+    /// `expected_rate` a second (src/arrivals.rs); a book already started is kept.
+    pub fn record_arrivals(&self, expected_rate: f64) {
+        let mut book = lock(&self.arrivals);
+        if book.is_none() {
+            *book = Some((
+                tokio::time::Instant::now(),
+                Arrivals::expecting(expected_rate),
+            ));
+        }
+        self.recording.store(true, Ordering::Release);
     }
 
-    /// The last new connection that counted for the lame duck.
-    pub fn last_arrival(&self) -> Option<Arrival> {
-        *lock(&self.last_arrival)
+    /// Records a new connection from `from` that counts for the lame duck, once its book is
+    /// started.
+    pub fn arrived(&self, from: IpAddr) {
+        if !self.recording.load(Ordering::Acquire) {
+            return;
+        }
+        if let Some((started, arrivals)) = lock(&self.arrivals).as_mut() {
+            arrivals.arrive(from, started.elapsed());
+        }
+    }
+
+    /// When the book says the rest of the cluster has stopped sending here under `rule`, and
+    /// what holds it that long (src/arrivals.rs); `None` before the book or with nothing in it.
+    pub fn quiet_at(&self, rule: &Rule) -> Option<(tokio::time::Instant, Holder)> {
+        let book = lock(&self.arrivals);
+        let (started, arrivals) = book.as_ref()?;
+        let (end, holder) = arrivals.end(rule)?;
+        Some((*started + end, holder))
+    }
+
+    /// Reads the book: when it started and what is in it.
+    pub fn with_arrivals<T>(
+        &self,
+        read: impl FnOnce(tokio::time::Instant, &Arrivals) -> T,
+    ) -> Option<T> {
+        let book = lock(&self.arrivals);
+        book.as_ref()
+            .map(|(started, arrivals)| read(*started, arrivals))
     }
 
     /// Runs an accept loop of this side; it must end soon after [`Side::stop_accepting`]
@@ -283,8 +313,8 @@ impl Default for Drain {
             reason: OnceLock::new(),
             started_at: OnceLock::new(),
             phase: AtomicU8::new(Phase::Starting as u8),
-            inbound: Mutex::new(Arc::new(Side::new(&terminate))),
-            outbound: Arc::new(Side::new(&terminate)),
+            inbound: Mutex::new(Arc::new(Side::new(Direction::Inbound, &terminate))),
+            outbound: Arc::new(Side::new(Direction::Outbound, &terminate)),
             inbound_quiesced: Mutex::new(None),
             terminate,
         }
@@ -385,7 +415,7 @@ impl Drain {
 
     /// Puts a fresh inbound side in place of the current one and returns both (new, old).
     pub fn renew_inbound(&self) -> (Arc<Side>, Arc<Side>) {
-        let fresh = Arc::new(Side::new(&self.terminate));
+        let fresh = Arc::new(Side::new(Direction::Inbound, &self.terminate));
         let old = std::mem::replace(&mut *lock(&self.inbound), fresh.clone());
         (fresh, old)
     }

@@ -5,12 +5,17 @@
 //! A fixed period is a guess at how long kube-proxy, ingresses and load balancers take to
 //! forget a pod (0.2 s to minutes). The adaptive lame duck measures it instead: every
 //! connection accepted meanwhile is asked to go away after its request, so its client comes
-//! back through the Service and, if the endpoint still points here, arrives again. The lame
-//! duck ends once no new connection has arrived for the quiet window, never before the
-//! minimum and never after the maximum. New connections from ignored sources (the kubelet's
-//! probes come from the node's address) do not count; the admin port is no route and never
-//! counts. The accept loops record arrivals on their [`Side`]; this module only reads them.
+//! back through the Service and, if the endpoint still points here, arrives again. Its sides
+//! keep a book of those arrivals by source (src/arrivals.rs), and it ends once the book says
+//! every source has stopped (each silent for a window that follows its own rate) and the pod as
+//! a whole has been quiet for as long as its request rate before the lame duck says is
+//! telling; never before the minimum and never after the maximum. New connections from ignored
+//! sources do not count; the admin port (where inject sends the kubelet's probes) is no route
+//! and never counts. The accept loops write the book; this module only reads it.
+//!
+//! The rate before comes from the metrics, sampled every second ([`LameDuck::sample`]).
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,21 +24,24 @@ use tokio::time::Instant;
 use serde_json::{Value, json};
 use tracing::info;
 
-use crate::config::LameDuck as Policy;
-use crate::drain::{Arrival, Side};
+use crate::arrivals::{Holder, Rule, SILENCES, Source};
+use crate::config::{Direction, LameDuck as Policy};
+use crate::drain::Side;
 use crate::metrics::Metrics;
 use crate::sync::lock;
 
 /// How often an open lame duck says, in the log, why it is still open.
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
+/// Over how long the rate before the lame duck is measured.
+const RATE_SPAN: Duration = Duration::from_secs(10);
 
 /// Why a lame duck ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Ending {
-    /// No new connection for the quiet window (the last one, if any came since the start).
-    Quiet(Option<Arrival>),
-    /// New connections were still arriving when the maximum was reached.
-    Max(Option<Arrival>),
+    /// Every source quiet for its window (the latest arrival, if any came since the start).
+    Quiet(Option<Source>),
+    /// What still held it when the maximum was reached.
+    Max(Option<Holder>),
     /// A fixed period is over.
     Period,
 }
@@ -62,8 +70,10 @@ pub struct LameDuck {
     policy: Policy,
     metrics: Arc<Metrics>,
     state: Mutex<State>,
-    /// The sides whose arrivals the open lame duck watches (for `/status`).
+    /// The sides whose arrivals the current or last lame duck watched (for `/status`).
     watching: Mutex<Vec<Arc<Side>>>,
+    /// What the inbound side had served at each of the last seconds: the rate before.
+    served: Mutex<VecDeque<(Instant, u64)>>,
 }
 
 impl LameDuck {
@@ -73,11 +83,61 @@ impl LameDuck {
             metrics,
             state: Mutex::new(State::NotStarted),
             watching: Mutex::new(Vec::new()),
+            served: Mutex::new(VecDeque::new()),
         }
     }
 
     pub fn policy(&self) -> Policy {
         self.policy
+    }
+
+    /// The rule the adaptive lame duck judges its sources by.
+    fn rule(&self) -> Option<Rule> {
+        match self.policy {
+            Policy::Adaptive { quiet, .. } => Some(Rule {
+                silences: SILENCES,
+                floor: quiet,
+            }),
+            Policy::Fixed(_) => None,
+        }
+    }
+
+    /// Notes what the inbound side has served by now; an adaptive lame duck calls it every
+    /// second until the process exits ([`LameDuck::sample_every_second`]).
+    pub fn sample(&self) {
+        let now = Instant::now();
+        let served = self.metrics.served(Direction::Inbound);
+        let mut samples = lock(&self.served);
+        while samples
+            .front()
+            .is_some_and(|(at, _)| now.duration_since(*at) > RATE_SPAN)
+        {
+            samples.pop_front();
+        }
+        samples.push_back((now, served));
+    }
+
+    pub async fn sample_every_second(self: Arc<Self>) {
+        let mut every = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            every.tick().await;
+            self.sample();
+        }
+    }
+
+    /// Requests (and opaque TCP connections) a second that the inbound side served over the
+    /// last [`RATE_SPAN`]; zero before a second of samples.
+    fn rate_before(&self) -> f64 {
+        let samples = lock(&self.served);
+        let Some((then, before)) = samples.front().copied() else {
+            return 0.0;
+        };
+        let span = then.elapsed().as_secs_f64();
+        if span < 1.0 {
+            return 0.0;
+        }
+        let now = self.metrics.served(Direction::Inbound);
+        now.saturating_sub(before) as f64 / span
     }
 
     /// Runs a lame duck over `sides` (their listeners accepting, their connections asked to
@@ -89,64 +149,106 @@ impl LameDuck {
         }
         *lock(&self.state) = State::Open { since: started };
         *lock(&self.watching) = sides.to_vec();
-        info!(lame_duck = %self.policy, "lame duck: still accepting, asking connections to go away");
-        let why = match self.policy {
-            Policy::Fixed(period) => {
-                tokio::time::sleep(period).await;
-                Ending::Period
-            }
-            Policy::Adaptive { quiet, min, max } => {
-                let mut progress =
-                    tokio::time::interval_at(started + PROGRESS_INTERVAL, PROGRESS_INTERVAL);
-                loop {
-                    let last = last_arrival(sides).filter(|arrival| arrival.at >= started);
-                    let (end, why) = adaptive_end(started, last, quiet, min, max);
-                    if Instant::now() >= end {
-                        break why;
-                    }
-                    tokio::select! {
-                        // The window as it stands is over: look again at the arrivals.
-                        () = tokio::time::sleep_until(end) => {}
-                        // Time to say why it is still open.
-                        _ = progress.tick() => match last {
-                            Some(arrival) => info!(
-                                last_arrival_ms_ago = arrival.at.elapsed().as_millis() as u64,
-                                from = %arrival.from,
-                                "lame duck still open: new connections keep arriving"
-                            ),
-                            None => info!("lame duck still open: its minimum has not passed"),
-                        },
-                    }
+        let why = match (self.policy, self.rule()) {
+            (Policy::Adaptive { min, max, .. }, Some(rule)) => {
+                let rate = self.rate_before();
+                for side in sides {
+                    let expected = match side.direction {
+                        Direction::Inbound => rate,
+                        Direction::Outbound => 0.0,
+                    };
+                    side.record_arrivals(expected);
                 }
+                info!(
+                    lame_duck = %self.policy,
+                    requests_per_second_before = (rate * 10.0).round() / 10.0,
+                    "lame duck: still accepting, asking connections to go away"
+                );
+                self.adaptive(sides, &rule, started, min, max).await
+            }
+            (policy, _) => {
+                info!(lame_duck = %policy, "lame duck: still accepting, asking connections to go away");
+                tokio::time::sleep(policy.longest()).await;
+                Ending::Period
             }
         };
         let lasted = started.elapsed();
         *lock(&self.state) = State::Ended { lasted, why };
-        lock(&self.watching).clear();
         self.metrics.lame_duck_ended(lasted, why.as_str());
         let ms = lasted.as_millis() as u64;
+        let totals = sides
+            .iter()
+            .filter_map(|side| side.with_arrivals(|_, book| (book.total(), book.sources())))
+            .fold((0, 0), |(total, sources), (more, others)| {
+                (total + more, sources + others)
+            });
         match why {
             Ending::Period => info!(
                 lasted_ms = ms,
                 "lame duck over: its fixed period has passed"
             ),
-            Ending::Quiet(Some(arrival)) => info!(
+            Ending::Quiet(Some(last)) => info!(
                 lasted_ms = ms,
-                last_from = %arrival.from,
-                last_ms_ago = arrival.at.elapsed().as_millis() as u64,
-                "lame duck over: no new connection for the quiet window"
+                new_connections = totals.0,
+                sources = totals.1,
+                last_from = %show(last.from),
+                last_ms_ago = (lasted.saturating_sub(last.last)).as_millis() as u64,
+                "lame duck over: every source of new connections has been quiet for its window"
             ),
             Ending::Quiet(None) => info!(
                 lasted_ms = ms,
                 "lame duck over: no new connection arrived during it"
             ),
-            Ending::Max(arrival) => info!(
+            Ending::Max(holder) => info!(
                 lasted_ms = ms,
-                last_from = arrival.map(|a| a.from.to_string()).unwrap_or_default(),
-                "lame duck over: its maximum was reached while new connections kept arriving"
+                new_connections = totals.0,
+                sources = totals.1,
+                still = %holder.map_or_else(String::new, |holder| why_open(holder, started)),
+                "lame duck over: its maximum was reached while new connections may still arrive"
             ),
         }
         why
+    }
+
+    /// An adaptive lame duck: until its sides' books say the rest of the cluster has stopped
+    /// sending here, between `min` and `max`.
+    async fn adaptive(
+        &self,
+        sides: &[Arc<Side>],
+        rule: &Rule,
+        started: Instant,
+        min: Duration,
+        max: Duration,
+    ) -> Ending {
+        let mut progress = tokio::time::interval_at(started + PROGRESS_INTERVAL, PROGRESS_INTERVAL);
+        loop {
+            let evidence = sides
+                .iter()
+                .filter_map(|side| side.quiet_at(rule))
+                .max_by_key(|(at, _)| *at);
+            // With nothing in the books, nothing says the cluster still sends here: a floor.
+            let quiet_at = evidence.map_or(started + rule.floor, |(at, _)| at);
+            let end = quiet_at.max(started + min).min(started + max);
+            if Instant::now() >= end {
+                let last = last_arrival(sides);
+                return match evidence {
+                    Some((at, holder)) if at > started + max => Ending::Max(Some(holder)),
+                    _ => Ending::Quiet(last),
+                };
+            }
+            tokio::select! {
+                // The window as it stands is over: look again at the book.
+                () = tokio::time::sleep_until(end) => {}
+                // Time to say why it is still open.
+                _ = progress.tick() => match evidence {
+                    Some((_, holder)) => info!(
+                        still = %why_open(holder, started),
+                        "lame duck still open: new connections may still arrive"
+                    ),
+                    None => info!("lame duck still open: its minimum has not passed"),
+                },
+            }
+        }
     }
 
     /// The policy and the current or last lame duck, for `/status`.
@@ -157,6 +259,7 @@ impl LameDuck {
             Policy::Adaptive { quiet, min, max } => json!({
                 "mode": "adaptive",
                 "quiet_window_ms": ms(quiet),
+                "silences": SILENCES,
                 "min_ms": ms(min),
                 "max_ms": ms(max),
             }),
@@ -167,119 +270,98 @@ impl LameDuck {
             State::Open { .. } => "open".into(),
             State::Ended { .. } => "ended".into(),
         };
-        let arrival = |arrival: Option<Arrival>| match arrival {
-            Some(arrival) => json!({
-                "ms_ago": ms(arrival.at.elapsed()),
-                "from": arrival.from.to_string(),
-            }),
-            None => Value::Null,
-        };
+        let watching = lock(&self.watching).clone();
         match state {
             State::NotStarted => {}
             State::Open { since } => {
                 status["elapsed_ms"] = ms(since.elapsed()).into();
-                let last = last_arrival(&lock(&self.watching)).filter(|a| a.at >= since);
-                status["last_arrival"] = arrival(last);
+                status["last_arrival"] = last_arrival_json(&watching);
+                if let Some(rule) = self.rule() {
+                    let at = since.elapsed();
+                    let (total, sources, sending) = watching
+                        .iter()
+                        .filter_map(|side| {
+                            side.with_arrivals(|_, book| {
+                                (book.total(), book.sources(), book.still_sending(&rule, at))
+                            })
+                        })
+                        .fold((0, 0, 0), |sum, more| {
+                            (sum.0 + more.0, sum.1 + more.1, sum.2 + more.2)
+                        });
+                    status["new_connections"] = total.into();
+                    status["sources"] = sources.into();
+                    status["sources_still_sending"] = sending.into();
+                }
             }
             State::Ended { lasted, why } => {
                 status["lasted_ms"] = ms(lasted).into();
                 status["ended"] = why.as_str().into();
-                if let Ending::Quiet(last) | Ending::Max(last) = why {
-                    status["last_arrival"] = arrival(last);
-                }
+                status["last_arrival"] = last_arrival_json(&watching);
             }
         }
         status
     }
 }
 
-/// The latest arrival on any of `sides`.
-fn last_arrival(sides: &[Arc<Side>]) -> Option<Arrival> {
-    sides
+/// The latest arrival on any of `sides`, for `/status`: how long ago, from where.
+fn last_arrival_json(sides: &[Arc<Side>]) -> Value {
+    let latest = sides
         .iter()
-        .filter_map(|side| side.last_arrival())
-        .max_by_key(|arrival| arrival.at)
+        .filter_map(|side| {
+            side.with_arrivals(|started, book| {
+                book.last()
+                    .map(|source| (started.elapsed().saturating_sub(source.last), source.from))
+            })
+            .flatten()
+        })
+        .min_by_key(|(ago, _)| *ago);
+    match latest {
+        Some((ago, from)) => json!({"ms_ago": ago.as_millis() as u64, "from": show(from)}),
+        None => Value::Null,
+    }
 }
 
-/// When an adaptive lame duck that started at `started` ends, as things stand, and why: a
-/// quiet window after the last arrival (or after the start), not before the minimum, at the
-/// maximum at the latest.
-fn adaptive_end(
-    started: Instant,
-    last: Option<Arrival>,
-    quiet: Duration,
-    min: Duration,
-    max: Duration,
-) -> (Instant, Ending) {
-    let quiet_from = last.map_or(started, |arrival| arrival.at.max(started));
-    let end = (quiet_from + quiet).max(started + min);
-    if end >= started + max {
-        let why = match last {
-            Some(_) if quiet_from + quiet > started + max => Ending::Max(last),
-            _ => Ending::Quiet(last),
-        };
-        return (started + max, why);
+/// The latest arrival on any of `sides`, as offsets from the start of its lame duck.
+fn last_arrival(sides: &[Arc<Side>]) -> Option<Source> {
+    sides
+        .iter()
+        .filter_map(|side| side.with_arrivals(|_, book| book.last()).flatten())
+        .max_by_key(|source| source.last)
+}
+
+/// What holds a lame duck open, for the log.
+fn why_open(holder: Holder, started: Instant) -> String {
+    match holder {
+        Holder::Source(source) => format!(
+            "{} sent {} new connections, about one every {} ms, the last {} ms ago",
+            show(source.from),
+            source.count,
+            source.mean_gap().as_millis(),
+            started.elapsed().saturating_sub(source.last).as_millis()
+        ),
+        Holder::Expected { rate } => format!(
+            "the pod served {rate:.1} requests a second before; at that rate the silence is \
+             still too short to tell"
+        ),
     }
-    (end, Ending::Quiet(last))
+}
+
+fn show(from: Option<std::net::IpAddr>) -> String {
+    from.map_or_else(|| "other sources".into(), |ip| ip.to_string())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const QUIET: Duration = Duration::from_secs(1);
+    const QUIET: Duration = Duration::from_millis(250);
     const MIN: Duration = Duration::from_secs(2);
     const MAX: Duration = Duration::from_secs(10);
 
-    fn arrival(at: Instant) -> Option<Arrival> {
-        Some(Arrival {
-            at,
-            from: "10.0.0.9".parse().unwrap(),
-        })
-    }
-
-    #[test]
-    fn it_ends_a_quiet_window_after_the_last_arrival_between_its_bounds() {
-        let t0 = Instant::now();
-        let secs = Duration::from_secs;
-        // Nothing arrives: the minimum.
-        assert_eq!(adaptive_end(t0, None, QUIET, MIN, MAX).0, t0 + MIN);
-        // Arrivals early on: the minimum still.
-        assert_eq!(
-            adaptive_end(
-                t0,
-                arrival(t0 + Duration::from_millis(500)),
-                QUIET,
-                MIN,
-                MAX
-            )
-            .0,
-            t0 + MIN
-        );
-        // Arrivals later: a quiet window after the last one.
-        let (end, why) = adaptive_end(t0, arrival(t0 + secs(5)), QUIET, MIN, MAX);
-        assert_eq!(end, t0 + secs(6));
-        assert_eq!(why.as_str(), "quiet");
-        // Arrivals up to the end: the maximum, and it says so.
-        let (end, why) = adaptive_end(
-            t0,
-            arrival(t0 + Duration::from_millis(9_500)),
-            QUIET,
-            MIN,
-            MAX,
-        );
-        assert_eq!(end, t0 + MAX);
-        assert_eq!(why.as_str(), "max");
-        // A quiet window that ends exactly at the maximum is quiet.
-        let (_, why) = adaptive_end(t0, arrival(t0 + secs(9)), QUIET, MIN, MAX);
-        assert_eq!(why.as_str(), "quiet");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn arrivals_keep_it_open_and_quiet_ends_it() {
-        let registry_drain = Arc::new(crate::drain::Drain::default());
+    fn lame_duck() -> (Arc<LameDuck>, Arc<Metrics>, Arc<crate::drain::Drain>) {
+        let drain = Arc::new(crate::drain::Drain::default());
         let conns = Arc::new(crate::conns::Connections::default());
-        let metrics = Arc::new(Metrics::new(conns, registry_drain.clone()));
+        let metrics = Arc::new(Metrics::new(conns, drain.clone()));
         let lame_duck = Arc::new(LameDuck::new(
             Policy::Adaptive {
                 quiet: QUIET,
@@ -288,23 +370,30 @@ mod tests {
             },
             metrics.clone(),
         ));
-        let side = registry_drain.side(crate::config::Direction::Inbound);
+        (lame_duck, metrics, drain)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn arrivals_keep_it_open_until_their_source_is_quiet_for_its_window() {
+        let (lame_duck, metrics, drain) = lame_duck();
+        let side = drain.side(Direction::Inbound);
         let started = Instant::now();
         let running = {
             let (lame_duck, side) = (lame_duck.clone(), side.clone());
             tokio::spawn(async move { lame_duck.run(&[side]).await })
         };
-        // A new connection every 300 ms for 4 s.
-        for _ in 0..13 {
-            tokio::time::sleep(Duration::from_millis(300)).await;
+        // A new connection every 100 ms for 4 s: 20 of its gaps (2 s) after the last.
+        for _ in 0..40 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
             side.arrived("10.0.0.9".parse().unwrap());
             assert_eq!(lame_duck.status()["state"], "open");
         }
+        assert_eq!(lame_duck.status()["sources_still_sending"], 1);
         let why = running.await.unwrap();
         let lasted = started.elapsed();
         assert_eq!(why.as_str(), "quiet");
         assert!(
-            lasted >= Duration::from_millis(4_900) && lasted <= Duration::from_millis(5_000),
+            lasted >= Duration::from_millis(5_990) && lasted <= Duration::from_millis(6_100),
             "{lasted:?}"
         );
         let status = lame_duck.status();
@@ -314,6 +403,32 @@ mod tests {
         assert!(
             text.contains("lameduck_lame_ducks_total{ended=\"quiet\"} 1"),
             "{text}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_arrivals_it_ends_at_its_minimum_and_a_slow_source_holds_it_to_its_maximum() {
+        let (lame_duck, _, drain) = lame_duck();
+        let side = drain.side(Direction::Inbound);
+        let started = Instant::now();
+        assert_eq!(lame_duck.run(&[side]).await, Ending::Quiet(None));
+        assert_eq!(started.elapsed(), MIN);
+        // One arrival 1 s into a second lame duck (a new book): its gap is a second, its window
+        // twenty, beyond the maximum.
+        let (lame_duck, _, drain) = self::lame_duck();
+        let side = drain.side(Direction::Inbound);
+        let started = Instant::now();
+        let running = {
+            let (lame_duck, side) = (lame_duck.clone(), side.clone());
+            tokio::spawn(async move { lame_duck.run(&[side]).await })
+        };
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        side.arrived("10.0.0.7".parse().unwrap());
+        let why = running.await.unwrap();
+        assert_eq!(started.elapsed(), MAX);
+        assert!(
+            matches!(why, Ending::Max(Some(Holder::Source(source))) if source.count == 1),
+            "{why:?}"
         );
     }
 }

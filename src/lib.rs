@@ -9,7 +9,8 @@
 //! - [`drain`]: the one owner of the shutdown (phases, the tokens connections listen to, the
 //!   trackers of their tasks), with verbs for the lifecycle to call;
 //! - [`conns`]: the registry of open connections behind `/connections` and the metrics;
-//!   [`metrics`]: Prometheus metrics; [`lame_duck`]: how long listeners keep accepting once
+//!   [`metrics`]: Prometheus metrics; [`arrivals`]: the new connections of a lame duck by source,
+//!   and the rule that says when they have stopped; [`lame_duck`]: how long listeners keep accepting once
 //!   the shutdown or the inbound quiesce has started (fixed, or while connections arrive);
 //!   [`close_spread`]: the last part of the grace period, in which the connections still open
 //!   are ended one by one;
@@ -23,6 +24,7 @@
 
 mod admin;
 pub mod app;
+pub mod arrivals;
 mod close_spread;
 pub mod commands;
 pub mod config;

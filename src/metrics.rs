@@ -193,7 +193,7 @@ impl Metrics {
         let lame_ducks = Family::<[(&'static str, &'static str); 1], Counter>::default();
         registry.register(
             "lame_ducks",
-            "Lame ducks ended, by why: quiet (no new connection for the quiet window), max (new connections still arriving at the maximum), period (a fixed period over)",
+            "Lame ducks ended, by why: quiet (every source of new connections quiet for its window: docs/pod-lifecycle.md), max (new connections still arriving at the maximum), period (a fixed period over)",
             lame_ducks.clone(),
         );
         for why in ["quiet", "max", "period"] {
@@ -255,6 +255,24 @@ impl Metrics {
     /// The counter of `timeout`, for a bound that counts by itself when it fires.
     pub fn timeout_counter(&self, timeout: Timeout) -> &Counter {
         &self.timeouts[timeout as usize]
+    }
+
+    /// What `direction` has served so far: HTTP requests answered and opaque TCP connections
+    /// (the traffic whose rate an adaptive lame duck expects to go on as new connections).
+    pub fn served(&self, direction: Direction) -> u64 {
+        let index = DIRECTIONS
+            .iter()
+            .position(|known| *known == direction)
+            .unwrap_or_default();
+        let requests: u64 = self.requests[index].iter().map(Counter::get).sum();
+        let tcp = self
+            .connections
+            .get_or_create(&[
+                ("direction", direction.as_str()),
+                ("protocol", ConnProtocol::Tcp.as_str()),
+            ])
+            .get();
+        requests + tcp
     }
 
     pub fn connection_opened(&self, direction: Direction, protocol: ConnProtocol) {

@@ -539,8 +539,8 @@ fn app_containers_get_the_drain_hooks_chained_with_their_own() {
     assert_eq!(proxy_env(job, "LAMEDUCK_LAME_DUCK_MAX"), None);
     assert_eq!(
         proxy_env(&out, "LAMEDUCK_LAME_DUCK_MAX").as_deref(),
-        Some("17500ms"),
-        "by default an adaptive lame duck, up to half the grace period (35 s here)"
+        Some("28s"),
+        "by default an adaptive lame duck, up to four fifths of the grace period (35 s here)"
     );
     assert!(
         out.contains("name: LAMEDUCK_LAME_DUCK_IGNORE_SOURCES\n          valueFrom:\n            fieldRef:\n              fieldPath: status.hostIP\n"),
@@ -594,8 +594,13 @@ fn the_pod_budget_covers_the_drain_then_the_apps_own_shutdown() {
             Some(max) => {
                 let max = humantime::parse_duration(&max).unwrap();
                 assert!(
-                    max <= grace / 2 && max <= Duration::from_secs(30),
-                    "{max:?} of {grace:?}: the drain after the lame duck gets half at least"
+                    max <= grace.mul_f64(0.8) && max <= Duration::from_secs(60),
+                    "{max:?} of {grace:?}: the drain after the lame duck gets a fifth at least"
+                );
+                assert!(
+                    max >= grace.mul_f64(0.8).min(Duration::from_secs(60))
+                        - Duration::from_millis(1),
+                    "{max:?} of {grace:?}: the lame duck may take four fifths (to 60 s)"
                 );
             }
             None => assert!(grace.is_zero(), "no lame duck for a {grace:?} grace period"),

@@ -83,12 +83,16 @@ const KNOWN: [&str; 15] = [
 
 /// Seconds between the proxy's grace period and the pod's, for the proxy to exit in.
 pub const GRACE_MARGIN_SECONDS: u64 = 5;
-/// The longest adaptive lame duck inject configures when the workload chooses no lame duck
-/// (it ends earlier, once new connections stop arriving: docs/pod-lifecycle.md): long enough
-/// for a cloud load balancer's deregistration, and at most half the grace period, so that the
-/// drain after it has time too. Jobs serve no inbound traffic and get none, so that they
-/// complete without waiting.
-pub const DEFAULT_LAME_DUCK_MAX: Duration = Duration::from_secs(30);
+/// The longest adaptive lame duck inject configures when the workload chooses no lame duck (it
+/// ends earlier, once the new connections it sees have stopped: docs/pod-lifecycle.md): at most
+/// [`LAME_DUCK_SHARE`] of the grace period, and at most this. The rest of the grace period is
+/// for the inbound drain after it (requests in flight end in well under a second; what lives
+/// longer gets the close-spread window, at least a fifth of the grace period then). Jobs serve
+/// no inbound traffic and get none, so that they complete without waiting.
+pub const DEFAULT_LAME_DUCK_MAX: Duration = Duration::from_secs(60);
+/// The share of the grace period an adaptive lame duck may take by default: with a grace period
+/// of 20 s, 16 s, beyond the 15 s of a propagation of 10 s ± 50 % (docs/pod-lifecycle.md).
+pub const LAME_DUCK_SHARE: f64 = 0.8;
 /// Kubernetes' default `terminationGracePeriodSeconds`.
 const DEFAULT_POD_GRACE_SECONDS: u64 = 30;
 /// The image the proxy container runs when `--image` is not given.
@@ -559,8 +563,8 @@ fn settings<'a>(
         None => {
             let max = match get(ANNOTATION_LAME_DUCK_MAX) {
                 Some(value) => within_grace(ANNOTATION_LAME_DUCK_MAX, value)?,
-                // At most half the grace period, so that the drain after it has time too.
-                None => DEFAULT_LAME_DUCK_MAX.min(grace / 2),
+                // The drain after it has the rest of the grace period.
+                None => DEFAULT_LAME_DUCK_MAX.min(grace.mul_f64(LAME_DUCK_SHARE)),
             };
             let quiet = match get(ANNOTATION_LAME_DUCK_QUIET) {
                 Some(value) => {

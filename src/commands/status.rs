@@ -98,14 +98,15 @@ fn seconds(ms: &Value) -> String {
     format!("{:.1}s", ms.as_u64().unwrap_or_default() as f64 / 1000.0)
 }
 
-/// `5.0s`, or `adaptive 1.0s quiet, 2.0s to 30.0s`.
+/// `5.0s`, or `adaptive, 2.0s to 30.0s: each source quiet for 20 of its gaps (at least 0.2s)`.
 fn lame_duck_policy(lame_duck: &Value) -> String {
     match lame_duck["mode"].as_str() {
         Some("adaptive") => format!(
-            "adaptive: {} quiet, {} to {}",
-            seconds(&lame_duck["quiet_window_ms"]),
+            "adaptive, {} to {}: each source quiet for {} of its gaps (at least {})",
             seconds(&lame_duck["min_ms"]),
             seconds(&lame_duck["max_ms"]),
+            lame_duck["silences"],
+            seconds(&lame_duck["quiet_window_ms"]),
         ),
         _ => seconds(&lame_duck["period_ms"]),
     }
@@ -137,9 +138,16 @@ fn render(admin: SocketAddr, status: &Value, connections: &Value) -> String {
     };
     match lame_duck["state"].as_str() {
         Some("open") => {
+            let sending = match lame_duck["sources"].as_u64() {
+                Some(sources) => format!(
+                    "{} of {sources} sources of new connections still sending; ",
+                    lame_duck["sources_still_sending"]
+                ),
+                None => String::new(),
+            };
             let _ = writeln!(
                 out,
-                "lame duck:     open for {} ({}); {}",
+                "lame duck:     open for {} ({}); {sending}{}",
                 seconds(&lame_duck["elapsed_ms"]),
                 lame_duck_policy(lame_duck),
                 last(&lame_duck["last_arrival"]),
@@ -147,7 +155,7 @@ fn render(admin: SocketAddr, status: &Value, connections: &Value) -> String {
         }
         Some("ended") => {
             let why = match lame_duck["ended"].as_str() {
-                Some("quiet") => "no new connection for its quiet window",
+                Some("quiet") => "every source of new connections quiet for its window",
                 Some("max") => "its maximum, new connections still arriving",
                 _ => "its fixed period",
             };
