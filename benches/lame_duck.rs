@@ -24,13 +24,14 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
-use lameduck::arrivals::{Arrivals, Rule, SILENCES};
+use lameduck::arrivals::{Arrivals, Rule, SILENCES, SLOWEST};
 use lameduck::config::DEFAULT_LAME_DUCK_QUIET_WINDOW;
 
 /// The rule the proxy uses by default.
 const RULE: Rule = Rule {
     silences: SILENCES,
     floor: DEFAULT_LAME_DUCK_QUIET_WINDOW,
+    slowest: SLOWEST,
 };
 
 const MIN: f64 = 2.0;
@@ -221,8 +222,12 @@ impl Ending for PerSource {
             true => ", and the rate before",
             false => "",
         };
+        let slowest = match self.rule.slowest {
+            Duration::MAX => String::new(),
+            slowest => format!(", none slower than one every {} s", slowest.as_secs()),
+        };
         format!(
-            "per source, {} mean gaps{expected}{chosen}",
+            "per source, {} mean gaps{slowest}{expected}{chosen}",
             self.rule.silences
         )
     }
@@ -378,10 +383,14 @@ fn rate_before(cluster: &Cluster) -> f64 {
 type MakeRule = Box<dyn Fn(f64) -> Box<dyn Ending>>;
 
 fn rules() -> Vec<MakeRule> {
-    let per_source = |silences: f64, expected: bool| -> MakeRule {
+    let per_source = |silences: f64, slowest: Duration, expected: bool| -> MakeRule {
         Box::new(move |rate| {
             Box::new(PerSource {
-                rule: Rule { silences, ..RULE },
+                rule: Rule {
+                    silences,
+                    slowest,
+                    ..RULE
+                },
                 expected,
                 arrivals: Arrivals::expecting(if expected { rate } else { 0.0 }),
             })
@@ -401,11 +410,12 @@ fn rules() -> Vec<MakeRule> {
                 times: Vec::new(),
             })
         }),
-        per_source(RULE.silences, false),
-        per_source(10.0, true),
-        per_source(14.0, true),
-        per_source(RULE.silences, true),
-        per_source(30.0, true),
+        per_source(RULE.silences, Duration::MAX, false),
+        per_source(RULE.silences, Duration::MAX, true),
+        per_source(10.0, SLOWEST, true),
+        per_source(14.0, SLOWEST, true),
+        per_source(RULE.silences, SLOWEST, true),
+        per_source(30.0, SLOWEST, true),
     ]
 }
 

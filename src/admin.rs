@@ -225,6 +225,14 @@ fn status_json(admin: &Admin) -> String {
     let quiesce = drain
         .inbound_quiesced_at()
         .map_or(serde_json::Value::Null, timer);
+    let (late, last_late) = drain.side(crate::config::Direction::Inbound).late();
+    let late_connections = serde_json::json!({
+        "refused": late,
+        "last": last_late.map(|(at, from)| serde_json::json!({
+            "ms_ago": ms(at.elapsed()),
+            "from": from.to_string(),
+        })),
+    });
     let status = serde_json::json!({
         "phase": drain.phase().as_str(),
         "ready": drain.is_ready(),
@@ -234,6 +242,7 @@ fn status_json(admin: &Admin) -> String {
         "grace_period_ms": ms(admin.grace_period),
         "lame_duck_period_ms": ms(admin.lame_duck.policy().longest()),
         "lame_duck": admin.lame_duck.status(),
+        "late_connections": late_connections,
     });
     format!("{status}\n")
 }

@@ -326,7 +326,7 @@ impl Running {
             open_connections = self.conns.len(),
             "shutdown started"
         );
-        let sequence = drain_sequence(drain, config, &self.lame_duck);
+        let sequence = drain_sequence(drain, config, &self.lame_duck, deadline);
         tokio::pin!(sequence);
         // The last part of the grace period: what is still open then is ended one by one.
         let spread = async {
@@ -401,10 +401,16 @@ impl Running {
     }
 }
 
-/// Lame duck, then close the listeners, then wait until every connection has closed. After an
-/// inbound quiesce (the app's preStop hook) the lame duck has been served already: peers have
-/// stopped routing to the pod, and the app has exited (a native sidecar is signalled last).
-async fn drain_sequence(drain: &Drain, config: &Config, lame_duck: &LameDuck) {
+/// Lame duck, then close the listeners, then wait until every connection has closed, and while
+/// late connections may still come, linger. After an inbound quiesce (the app's preStop hook)
+/// the lame duck has been served already: peers have stopped routing to the pod, and the app has
+/// exited (a native sidecar is signalled last).
+async fn drain_sequence(
+    drain: &Drain,
+    config: &Config,
+    lame_duck: &LameDuck,
+    deadline: std::time::Instant,
+) {
     let after_inbound = config.outbound_shutdown == OutboundShutdown::AfterInbound;
     let (inbound, outbound) = (
         drain.side(Direction::Inbound),
@@ -437,4 +443,6 @@ async fn drain_sequence(drain: &Drain, config: &Config, lame_duck: &LameDuck) {
         tokio::join!(inbound.close(), outbound.close());
         tokio::join!(inbound.drained(), outbound.drained());
     }
+    // Never a black hole: while late connections may still come, the pod's address answers.
+    lame_duck.linger(&inbound, deadline.into()).await;
 }

@@ -38,6 +38,10 @@ pub struct Rule {
     pub silences: f64,
     /// The shortest silence that counts, however busy the source.
     pub floor: Duration,
+    /// A source whose mean gap is longer is not waited for: within a grace period its silence
+    /// can never tell (a scraper every 15 s to the pod's own address, which stops only once the
+    /// pod is gone); the rate before the lame duck still holds the pod as a whole.
+    pub slowest: Duration,
 }
 
 /// How many of its own mean gaps a source must be silent for in the adaptive lame duck:
@@ -45,6 +49,10 @@ pub struct Rule {
 /// (docs/pod-lifecycle.md says how this figure was chosen: benches/lame_duck.rs measures it;
 /// the floor is `--lame-duck-quiet-window`).
 pub const SILENCES: f64 = 20.0;
+
+/// The slowest source the adaptive lame duck waits for ([`Rule::slowest`]): one new connection
+/// every 10 s (benches/lame_duck.rs measures it).
+pub const SLOWEST: Duration = Duration::from_secs(10);
 
 /// One source's arrivals.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,18 +177,24 @@ impl Arrivals {
             .copied()
     }
 
-    /// The source that is judged gone last under `rule`, and when; `None` before any arrival.
-    pub fn last_to_go(&self, rule: &Rule) -> Option<Source> {
+    /// The sources `rule` waits for: none slower than [`Rule::slowest`].
+    fn waited_for<'a>(&'a self, rule: &'a Rule) -> impl Iterator<Item = &'a Source> + 'a {
         self.sources
             .values()
+            .filter(|source| source.mean_gap() <= rule.slowest)
+    }
+
+    /// The source that is judged gone last under `rule`, and when; `None` before any arrival
+    /// of a source it waits for.
+    pub fn last_to_go(&self, rule: &Rule) -> Option<Source> {
+        self.waited_for(rule)
             .max_by_key(|source| source.gone_at(rule))
             .copied()
     }
 
     /// The sources not yet judged gone `at`, under `rule`.
     pub fn still_sending(&self, rule: &Rule, at: Duration) -> usize {
-        self.sources
-            .values()
+        self.waited_for(rule)
             .filter(|source| source.gone_at(rule) > at)
             .count()
     }
@@ -193,6 +207,7 @@ mod tests {
     const RULE: Rule = Rule {
         silences: SILENCES,
         floor: Duration::from_millis(250),
+        slowest: SLOWEST,
     };
 
     fn ms(ms: u64) -> Duration {
@@ -244,6 +259,15 @@ mod tests {
         let (end, holder) = arrivals.end(&RULE).unwrap();
         assert_eq!(end, ms(63_000));
         assert!(matches!(holder, Holder::Source(source) if source.count == 1));
+        // One slower than one every 10 s is not waited for: the pod's rate alone holds it.
+        arrivals.arrive("10.0.0.3".parse().unwrap(), ms(12_000));
+        assert_eq!(arrivals.end(&RULE).unwrap().0, ms(63_000));
+        let mut scraped = Arrivals::expecting(2.0);
+        scraped.arrive("10.0.0.3".parse().unwrap(), ms(12_000));
+        assert_eq!(
+            scraped.end(&RULE),
+            Some((ms(22_000), Holder::Expected { rate: 2.0 }))
+        );
         // An idle pod, or none known: only the sources hold it.
         assert_eq!(Arrivals::expecting(0.0).end(&RULE), None);
         assert_eq!(Arrivals::expecting(f64::NAN).end(&RULE), None);

@@ -139,6 +139,29 @@ pub struct Side {
     /// The new connections since the lame duck started, by source (src/arrivals.rs), and when
     /// it started; read by the lame duck, and after it by the linger.
     arrivals: Mutex<Option<(tokio::time::Instant, Arrivals)>>,
+    /// Set by [`Side::refuse_late`] before [`Side::close`]: then each listener, once it has
+    /// accepted its queue, goes on accepting what still arrives and resets it at once (a late
+    /// connection: counted, never left to time out), until [`Side::stop_refusing`].
+    refuses_late: AtomicBool,
+    /// The tasks that refuse late connections, one per listener; not part of the drain.
+    refusers: TaskTracker,
+    /// Cancelled by [`Side::stop_refusing`] (the inbound side serving again after a restart of
+    /// the app container): the refusers close their listeners and end.
+    stop_refusing: CancellationToken,
+    /// The late connections refused so far.
+    late: Mutex<Late>,
+}
+
+/// The late connections of a side.
+#[derive(Debug, Default)]
+struct Late {
+    count: u64,
+    /// The last one: when, from where.
+    last: Option<(Instant, IpAddr)>,
+    /// Those that tell that the cluster still sends here (not from an ignored source), by
+    /// source, from when the listeners began to refuse them (src/arrivals.rs): the linger
+    /// reads it.
+    book: Option<(tokio::time::Instant, Arrivals)>,
 }
 
 impl Side {
@@ -154,7 +177,79 @@ impl Side {
             terminate: terminate.child_token(),
             recording: AtomicBool::new(false),
             arrivals: Mutex::new(None),
+            refuses_late: AtomicBool::new(false),
+            refusers: TaskTracker::new(),
+            stop_refusing: CancellationToken::new(),
+            late: Mutex::new(Late::default()),
         }
+    }
+
+    /// Makes [`Side::close`] keep the listeners to refuse late connections at once, rather
+    /// than close them (docs/pod-lifecycle.md, "Never a black hole").
+    pub fn refuse_late(&self) {
+        self.refuses_late.store(true, Ordering::Release);
+    }
+
+    /// Whether a listener of this side, once closing, refuses late connections.
+    pub fn refuses_late(&self) -> bool {
+        self.refuses_late.load(Ordering::Acquire)
+    }
+
+    /// Runs a task that refuses late connections on a listener; it must end soon after
+    /// [`Side::refusing_stopped`] resolves.
+    pub fn spawn_refuser(&self, refuser: impl Future<Output = ()> + Send + 'static) {
+        self.refusers.spawn(refuser);
+    }
+
+    /// Resolves when the refusers must close their listeners.
+    pub fn refusing_stopped(&self) -> WaitForCancellationFuture<'_> {
+        self.stop_refusing.cancelled()
+    }
+
+    /// Closes the listeners that refuse late connections, and waits until they are closed.
+    pub async fn stop_refusing(&self) {
+        self.stop_refusing.cancel();
+        self.refusers.close();
+        self.refusers.wait().await;
+    }
+
+    /// A listener of this side begins to refuse late connections: the book of late arrivals
+    /// starts now (once).
+    pub fn refusing_from_now(&self) {
+        let mut late = lock(&self.late);
+        if late.book.is_none() {
+            late.book = Some((tokio::time::Instant::now(), Arrivals::default()));
+        }
+    }
+
+    /// Counts a late connection from `from`, and writes it in the book of late arrivals when
+    /// it `counts` (it is not from an ignored source); true for the first.
+    pub fn refused_late(&self, from: IpAddr, counts: bool) -> bool {
+        let mut late = lock(&self.late);
+        late.count += 1;
+        late.last = Some((Instant::now(), from));
+        if counts && let Some((started, book)) = late.book.as_mut() {
+            book.arrive(from, started.elapsed());
+        }
+        late.count == 1
+    }
+
+    /// Late connections refused so far, and the last one: when, from where.
+    pub fn late(&self) -> (u64, Option<(Instant, IpAddr)>) {
+        let late = lock(&self.late);
+        (late.count, late.last)
+    }
+
+    /// When the book of late arrivals says they have stopped under `rule`, what holds it that
+    /// long, and when the book started; `None` when none has come (src/arrivals.rs).
+    pub fn late_quiet_at(
+        &self,
+        rule: &Rule,
+    ) -> Option<(tokio::time::Instant, Holder, tokio::time::Instant)> {
+        let late = lock(&self.late);
+        let (started, book) = late.book.as_ref()?;
+        let (end, holder) = book.end(rule)?;
+        Some((*started + end, holder, *started))
     }
 
     /// Starts the book of new connections of a lame duck starting now, which expects

@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use serde_json::{Value, json};
 use tracing::info;
 
-use crate::arrivals::{Holder, Rule, SILENCES, Source};
+use crate::arrivals::{Holder, Rule, SILENCES, SLOWEST, Source};
 use crate::config::{Direction, LameDuck as Policy};
 use crate::drain::Side;
 use crate::metrics::Metrics;
@@ -97,6 +97,7 @@ impl LameDuck {
             Policy::Adaptive { quiet, .. } => Some(Rule {
                 silences: SILENCES,
                 floor: quiet,
+                slowest: SLOWEST,
             }),
             Policy::Fixed(_) => None,
         }
@@ -154,7 +155,12 @@ impl LameDuck {
                 let rate = self.rate_before();
                 for side in sides {
                     let expected = match side.direction {
-                        Direction::Inbound => rate,
+                        // What the cluster sends here: once the lame duck is over, what still
+                        // comes is refused at once and counted, not left to time out.
+                        Direction::Inbound => {
+                            side.refuse_late();
+                            rate
+                        }
                         Direction::Outbound => 0.0,
                     };
                     side.record_arrivals(expected);
@@ -248,6 +254,42 @@ impl LameDuck {
                     None => info!("lame duck still open: its minimum has not passed"),
                 },
             }
+        }
+    }
+
+    /// Once `side` has drained: while late connections keep coming (they are refused at once
+    /// by its listeners, and written in a book of their own), the process stays, so that its
+    /// pod's address answers them rather than vanish under clients that still route here;
+    /// until that book says they have stopped (with the rule of the lame duck), or `deadline`.
+    /// With none, it ends at once.
+    pub async fn linger(&self, side: &Side, deadline: Instant) {
+        let Some(rule) = self.rule() else { return };
+        let started = Instant::now();
+        let mut announced = false;
+        while let Some((quiet_at, holder, book_started)) = side.late_quiet_at(&rule) {
+            if quiet_at <= Instant::now() || Instant::now() >= deadline {
+                break;
+            }
+            if !announced {
+                info!(
+                    late_connections = side.late().0,
+                    still = %why_open(holder, book_started),
+                    grace_left_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64,
+                    "lingering: late connections keep coming; the pod's address answers them (refused at once) until they stop"
+                );
+                announced = true;
+            }
+            tokio::time::sleep_until(quiet_at.min(deadline)).await;
+        }
+        let (late, last) = side.late();
+        if late > 0 {
+            info!(
+                late_connections = late,
+                last_from = last.map(|(_, from)| from.to_string()).unwrap_or_default(),
+                last_ms_ago = last.map_or(0, |(at, _)| at.elapsed().as_millis() as u64),
+                lingered_ms = started.elapsed().as_millis() as u64,
+                "late connections refused after the lame duck"
+            );
         }
     }
 

@@ -81,6 +81,7 @@ pub struct Metrics {
     connect_failures: Family<Labels, Counter>,
     accept_errors: Family<DirectionLabel, Counter>,
     refused: Family<Labels, Counter>,
+    late: Family<DirectionLabel, Counter>,
     force_closed: Counter,
     connection_limit: Gauge,
     limit_waits: Counter,
@@ -128,6 +129,12 @@ impl Metrics {
             "connections_refused",
             "Connections on orig-dst routes refused, by direction and reason: not_redirected (sent to the proxy's port itself), to_proxy (bound for one of the proxy's own listeners), loop (one of the proxy's own connections, sent back to it)",
             refused.clone(),
+        );
+        let late = Family::<DirectionLabel, Counter>::default();
+        registry.register(
+            "late_connections",
+            "Connections that arrived after the lame duck was over, each refused at once (accepted and reset), by direction: the cluster still sent them here",
+            late.clone(),
         );
         let force_closed = Counter::default();
         registry.register(
@@ -229,6 +236,7 @@ impl Metrics {
             connect_failures,
             accept_errors,
             refused,
+            late,
             force_closed,
             connection_limit,
             limit_waits,
@@ -290,6 +298,12 @@ impl Metrics {
                 ("direction", direction.as_str()),
                 ("reason", failure.as_str()),
             ])
+            .inc();
+    }
+
+    pub fn late_connection(&self, direction: Direction) {
+        self.late
+            .get_or_create(&[("direction", direction.as_str())])
             .inc();
     }
 

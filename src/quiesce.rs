@@ -240,6 +240,12 @@ impl InboundControl {
             return Err("the proxy is shutting down".into());
         }
         let _ = outcome.wait_for(Option::is_some).await;
+        // The old side's listeners may still refuse late connections on the same ports.
+        self.proxy
+            .drain
+            .side(Direction::Inbound)
+            .stop_refusing()
+            .await;
         let mut bound = Vec::with_capacity(self.routes.len());
         for proxy_route in &self.routes {
             let listen = proxy_route.route.listen;

@@ -128,16 +128,24 @@ fn lame_duck_period_keeps_accepting_then_refuses() {
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
 
-/// Whether a connection from `source` (a loopback address) to `addr` is refused.
+/// Whether a connection from `source` (a loopback address) to `addr` is refused: by the kernel
+/// (a closed listener), or accepted and reset before it is served (a late connection after an
+/// adaptive lame duck, docs/pod-lifecycle.md).
 fn refused_from(source: [u8; 4], addr: std::net::SocketAddr) -> bool {
     let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
     socket
         .bind(&std::net::SocketAddr::from((source, 0)).into())
         .unwrap();
-    match socket.connect_timeout(&addr.into(), Duration::from_secs(2)) {
-        Err(error) => error.kind() == std::io::ErrorKind::ConnectionRefused,
-        Ok(()) => false,
+    if let Err(error) = socket.connect_timeout(&addr.into(), Duration::from_secs(2)) {
+        return error.kind() == std::io::ErrorKind::ConnectionRefused;
     }
+    let mut stream = std::net::TcpStream::from(socket);
+    stream.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut echoed = [0u8; 5];
+    let answer = stream
+        .write_all(b"probe")
+        .and_then(|()| stream.read_exact(&mut echoed));
+    matches!(answer, Err(error) if matches!(error.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe))
 }
 
 /// An adaptive lame duck: (the proxy's SIGTERM at t = 0) with `arrivals` of clients opening a

@@ -16,6 +16,7 @@
 //! on a new connection: counted as retried, not failed.
 
 #[path = "pod/kubelet.rs"]
+#[allow(dead_code)]
 mod kubelet;
 mod support;
 #[path = "pod/testapp.rs"]

@@ -651,3 +651,128 @@ fn an_adaptive_quiesce_lasts_while_connections_arrive_and_status_says_why() {
     proxy.signal(libc::SIGTERM);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
+
+/// Never a black hole: once an adaptive quiesce's lame duck is over, a connection that still
+/// arrives is accepted and reset at once (never left to time out), counted in the metrics,
+/// `lameduck status` and the log; and when the proxy is signalled (the app has exited), it does
+/// not exit while late connections keep arriving, but once their source has been quiet for its
+/// window; with none, it exits at once.
+#[test]
+fn late_connections_are_refused_at_once_and_the_proxy_lingers_while_they_come() {
+    let backend = Backend::start();
+    let (_dir, socket) = shared_dir("late");
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &backend.route("127.0.0.1:0"),
+        "--drain-socket",
+        &socket,
+        "--lame-duck-max=10s",
+        "--lame-duck-min=500ms",
+        "--shutdown-grace-period=30s",
+    ]);
+    let inbound = proxy.inbound[0];
+    // Nothing arrives: the lame duck ends at its minimum, the inbound side drains at once.
+    let (code, out, _) = run_hook("prestop", &socket, &[]);
+    assert!(code.success(), "{out}");
+    proxy
+        .logs
+        .wait_for("the listener kept for late connections", |line| {
+            line.contains("late connections are refused at once")
+        });
+    // A late client: its connection opens (the listener is there) and is reset before any
+    // answer, within a round trip rather than a connect timeout.
+    let late = |path: &str| {
+        let started = Instant::now();
+        let mut stream = std::net::TcpStream::connect(inbound).expect("the listener is there");
+        stream.set_read_timeout(Some(PATIENCE)).unwrap();
+        // The reset may come before the request is written, or after.
+        let answer = stream
+            .write_all(&get(path))
+            .and_then(|()| stream.read(&mut [0u8; 64]));
+        assert!(
+            matches!(&answer, Err(error) if matches!(error.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe)),
+            "a late connection is reset, never served: {answer:?}"
+        );
+        started.elapsed()
+    };
+    let took = late("/late");
+    assert!(took < Duration::from_secs(1), "refused after {took:?}");
+    assert!(backend.seen_paths().iter().all(|path| path != "/late"));
+    assert_eq!(
+        proxy.metric("lameduck_late_connections_total{direction=\"inbound\"}"),
+        1.0
+    );
+    let status = Command::new(BIN)
+        .args(["status", "--admin", &proxy.admin.to_string()])
+        .output()
+        .unwrap();
+    let status = String::from_utf8(status.stdout).unwrap();
+    assert!(
+        status.contains("late:          1 connections refused at once after the lame duck")
+            && status.contains("from 127.0.0.1"),
+        "{status}"
+    );
+    proxy
+        .logs
+        .wait_for("the first late connection in the log", |line| {
+            line.contains("late connection refused: the lame duck is over")
+        });
+    // The proxy's SIGTERM while late connections still come, one every 100 ms for 3 s: it
+    // stays (its pod's address answers them), then exits once they have stopped.
+    let signalled = Instant::now();
+    proxy.signal(libc::SIGTERM);
+    let mut refused = 0;
+    while signalled.elapsed() < Duration::from_secs(3) {
+        late("/still-late");
+        refused += 1;
+        assert!(
+            proxy.try_wait_exit(Duration::ZERO).is_none(),
+            "exited while late connections came"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let stopped = Instant::now();
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+    let lingered = stopped.elapsed();
+    assert!(
+        lingered < Duration::from_secs(15),
+        "lingered {lingered:?} after the last late connection"
+    );
+    let summary = proxy
+        .logs
+        .wait_event("late connections refused after the lame duck");
+    assert_eq!(summary["fields"]["late_connections"], 1 + refused);
+}
+
+/// Without late connections the proxy's own SIGTERM after the quiesce ends it at once: no
+/// linger for nothing.
+#[test]
+fn without_late_connections_the_proxy_exits_at_once() {
+    let backend = Backend::start();
+    let (_dir, socket) = shared_dir("no-late");
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &backend.route("127.0.0.1:0"),
+        "--drain-socket",
+        &socket,
+        "--lame-duck-max=10s",
+        "--lame-duck-min=500ms",
+        "--shutdown-grace-period=30s",
+    ]);
+    let (code, out, _) = run_hook("prestop", &socket, &[]);
+    assert!(code.success(), "{out}");
+    let signalled = Instant::now();
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+    assert!(
+        signalled.elapsed() < Duration::from_secs(1),
+        "exited {:?} after its SIGTERM",
+        signalled.elapsed()
+    );
+    assert!(
+        proxy
+            .logs
+            .events("late connections refused after the lame duck")
+            .is_empty()
+    );
+}

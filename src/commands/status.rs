@@ -168,6 +168,16 @@ fn render(admin: SocketAddr, status: &Value, connections: &Value) -> String {
         }
         _ => {}
     }
+    let late = &status["late_connections"];
+    if late["refused"].as_u64().is_some_and(|refused| refused > 0) {
+        let _ = writeln!(
+            out,
+            "late:          {} connections refused at once after the lame duck, the last {} ago from {}",
+            late["refused"],
+            seconds(&late["last"]["ms_ago"]),
+            late["last"]["from"].as_str().unwrap_or("?"),
+        );
+    }
     let quiesce = &status["quiesce"];
     if quiesce.is_null() {
         let _ = writeln!(out, "inbound:       serving");

@@ -8,6 +8,12 @@
 //! completed their handshake) before closing the socket, so that later connection attempts are
 //! refused at once. Each connection is then served by its route's protocol: opaque TCP, or
 //! protocol detection followed by HTTP or TCP.
+//!
+//! On a side that refuses late connections (the inbound side after an adaptive lame duck), the
+//! listener is kept instead: [`refuse_late`] accepts what still arrives and resets it at once,
+//! counted and logged, so that a client the cluster still sends here learns it in a round
+//! trip rather than a connect timeout, and the proxy knows it came (docs/pod-lifecycle.md,
+//! "Never a black hole").
 
 use std::io;
 use std::net::SocketAddr;
@@ -31,6 +37,8 @@ use crate::sync::lock;
 
 /// At most one log line per this interval about the connection limit holding clients back.
 const AT_LIMIT_LOG_INTERVAL: Duration = Duration::from_secs(1);
+/// At most one log line per this interval about late connections after the first.
+const LATE_LOG_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Accepts connections for `route` until `side`'s listeners close.
 pub async fn accept_loop(
@@ -74,7 +82,85 @@ pub async fn accept_loop(
             }
         }
     }
-    accept_queued(listener, &proxy_route, &proxy, &side);
+    let listener = match listener.into_std() {
+        Ok(listener) => listener,
+        Err(error) => {
+            warn!(%error, "could not take the listener out of the runtime; queued connections are dropped");
+            return;
+        }
+    };
+    if !side.refuses_late() {
+        // From here on the kernel drops new SYNs (their clients retry, and meet the closed
+        // port): no connection completes its handshake between the last accept and the close,
+        // where the close would reset it after its client had sent a request.
+        if let Err(error) = net::refuse_new_handshakes(&listener) {
+            debug!(%error, "could not filter new handshakes out before closing the listener");
+        }
+        accept_queued(&listener, &proxy_route, &proxy, &side);
+        // Closing the socket makes the kernel refuse new connection attempts.
+        drop(listener);
+        info!(direction = %route.direction, listen = %route.listen, "listener closed");
+        return;
+    }
+    // Those already queued came in time; what comes after is late.
+    accept_queued(&listener, &proxy_route, &proxy, &side);
+    side.refusing_from_now();
+    match TcpListener::from_std(listener) {
+        Ok(listener) => {
+            info!(direction = %route.direction, listen = %route.listen, "listener closed to new clients: late connections are refused at once");
+            side.clone()
+                .spawn_refuser(refuse_late(listener, proxy_route, proxy, side));
+        }
+        Err(error) => {
+            warn!(%error, "could not keep the listener to refuse late connections; it is closed")
+        }
+    }
+}
+
+/// Accepts what still arrives on a closed side's listener and resets it at once: a late
+/// connection, counted (and in the lame duck's book, for the linger), never left to time out;
+/// until the side stops refusing.
+async fn refuse_late(
+    listener: TcpListener,
+    proxy_route: Arc<ProxyRoute>,
+    proxy: Arc<ProxyContext>,
+    side: Arc<Side>,
+) {
+    let route = &proxy_route.route;
+    let mut errors = AcceptErrors::default();
+    let mut log = Throttle::new(LATE_LOG_INTERVAL);
+    loop {
+        let accepted = tokio::select! {
+            // The inbound side serves again (its app container restarted): the port is for
+            // the new listeners.
+            _ = side.refusing_stopped() => break,
+            // A client that the cluster still sends here, or accept failed.
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                errors.succeeded();
+                net::reset(&stream);
+                drop(stream);
+                proxy.metrics.late_connection(route.direction);
+                let (count, _) = side.late();
+                if side.refused_late(peer.ip(), proxy.counts_for_lame_duck(peer.ip())) {
+                    info!(direction = %route.direction, listen = %route.listen, %peer, "late connection refused: the lame duck is over, yet the cluster still sends new connections here; each is reset at once (never left to time out)");
+                } else if let Some(suppressed) = log.due() {
+                    info!(direction = %route.direction, late_connections = count + 1, last_from = %peer.ip(), suppressed, "late connections still arriving, refused at once");
+                }
+            }
+            Err(error) => {
+                proxy.metrics.accept_failed(route.direction);
+                tokio::select! {
+                    // The side serves again while backing off.
+                    _ = side.refusing_stopped() => break,
+                    // The pause after the error is over.
+                    _ = errors.failed(&error, route.listen) => {}
+                }
+            }
+        }
+    }
     info!(direction = %route.direction, listen = %route.listen, "listener closed");
 }
 
@@ -107,27 +193,15 @@ async fn room_for_one_more(
     }
 }
 
-/// Accepts every connection already in the kernel's queue, then closes the listener.
+/// Accepts every connection already in the kernel's queue (those clients completed their
+/// handshake in time).
 fn accept_queued(
-    listener: TcpListener,
+    listener: &std::net::TcpListener,
     proxy_route: &Arc<ProxyRoute>,
     proxy: &Arc<ProxyContext>,
     side: &Side,
 ) {
     let route = &proxy_route.route;
-    let listener = match listener.into_std() {
-        Ok(listener) => listener,
-        Err(error) => {
-            warn!(%error, "could not take the listener out of the runtime; queued connections are dropped");
-            return;
-        }
-    };
-    // From here on the kernel drops new SYNs (their clients retry, and meet the closed port):
-    // no connection completes its handshake between the last accept and the close, where the
-    // close would reset it after its client had sent a request.
-    if let Err(error) = net::refuse_new_handshakes(&listener) {
-        debug!(%error, "could not filter new handshakes out before closing the listener");
-    }
     let mut queued = 0usize;
     loop {
         match listener.accept() {
@@ -153,8 +227,6 @@ fn accept_queued(
             Err(_) => continue,
         }
     }
-    // Closing the socket makes the kernel refuse new connection attempts.
-    drop(listener);
     if queued > 0 {
         info!(direction = %route.direction, listen = %route.listen, queued, "accepted queued connections while closing");
     }

@@ -6,6 +6,9 @@ at $UPSTREAM (host:port) when the pod's traffic is intercepted.
                     through the outbound route (a flush, a deregistration), exit 0 (3 if that
                     call failed)
   app.py immediate  on SIGTERM: exit at once
+
+With KEEP_ALIVE_REQUESTS=N it closes each connection after N requests (the last response says
+`Connection: close`), as servers bound their keep-alive connections.
 """
 
 import http.client
@@ -19,6 +22,7 @@ import time
 MODE = sys.argv[1]
 _host, _, _port = os.environ.get("UPSTREAM", "127.0.0.1:4140").rpartition(":")
 OUTBOUND = (_host, int(_port))
+KEEP_ALIVE_REQUESTS = int(os.environ.get("KEEP_ALIVE_REQUESTS", "0"))
 
 
 def call_upstream(path):
@@ -41,6 +45,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
     timeout = 1
 
     def do_GET(self):
+        if self.path == "/healthz":
+            # The readiness probe: the app itself, no upstream.
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if self.path.startswith("/hook-sleep?s="):
             # The app's own httpGet preStop hook: its own wait before the kubelet signals it.
             time.sleep(float(self.path.partition("=")[2]))
@@ -54,6 +64,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         body = b"ok\n" if status == 200 else f"upstream answered {status}\n".encode()
         self.send_response(200 if status == 200 else 502)
         self.send_header("Content-Length", str(len(body)))
+        self.served = getattr(self, "served", 0) + 1
+        if KEEP_ALIVE_REQUESTS and self.served >= KEEP_ALIVE_REQUESTS:
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
         self.wfile.write(body)
 

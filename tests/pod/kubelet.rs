@@ -8,7 +8,8 @@
 //!   command, args, env values and hook commands, is translated to the volume's folder, and a
 //!   path the image holds (`/usr/local/bin/lameduck`) to the file the test gives for it.
 //!   Nothing else of the spec is rewritten. Environment values come from `value`, or from the
-//!   downward API's `status.hostIP` ([`HOST_IP`]).
+//!   downward API's `status.hostIP` ([`HOST_IP`]) and `status.podIP` ([`Pod::set_ip`]; loopback
+//!   until set).
 //! - Each container is the init of a PID namespace of its own, and its hooks run inside it
 //!   (as a runtime's exec does), so that what a hook leaves behind dies with the container.
 //! - `runAsUser`/`runAsGroup` are honoured (no supplementary groups), `allowPrivilegeEscalation:
@@ -137,6 +138,8 @@ pub struct Pod {
     dir: PathBuf,
     sidecars: Vec<Running>,
     apps: Vec<Running>,
+    /// `status.podIP`.
+    ip: String,
 }
 
 impl Pod {
@@ -172,7 +175,13 @@ impl Pod {
             dir,
             sidecars: Vec::new(),
             apps: Vec::new(),
+            ip: "127.0.0.1".into(),
         })
+    }
+
+    /// The pod's address, as the downward API gives it (`status.podIP`); before `start`.
+    pub fn set_ip(&mut self, ip: std::net::Ipv4Addr) {
+        self.ip = ip.to_string();
     }
 
     /// Adds an environment variable to a container of the spec (before `start`).
@@ -297,6 +306,7 @@ impl Pod {
             // The downward API: the node's address (the kubelet's probes come from it).
             let value = match var.pointer("/valueFrom/fieldRef/fieldPath") {
                 Some(path) if path == "status.hostIP" => HOST_IP,
+                Some(path) if path == "status.podIP" => self.ip.as_str(),
                 Some(path) => panic!("no downward API field {path} here"),
                 None => var["value"].as_str().expect("a value or a fieldRef"),
             };
@@ -707,4 +717,109 @@ fn http_status_within(port: u16, path: &str, patience: Duration) -> Option<u16> 
     let mut head = [0u8; 12];
     stream.read_exact(&mut head).ok()?;
     std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+}
+
+/// The kubelet's readiness probes of a running pod's containers, sent from wherever the
+/// calling test puts them (the node's address on the pod network: the bridge's), to the pod's
+/// address, every `periodSeconds`: `httpGet` (a status from 200 to 399 passes, with the
+/// kubelet's `User-Agent`) and `tcpSocket` (a connection that opens passes). Counts what passed
+/// and what failed, until dropped.
+pub struct Probes {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    passed: Arc<std::sync::atomic::AtomicU64>,
+    failed: Arc<std::sync::atomic::AtomicU64>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl Probes {
+    /// Probes `pod`'s containers at `ip` from `from`'s network namespace.
+    pub fn start(pod: &Pod, from: &Arc<NetNs>, ip: std::net::Ipv4Addr) -> Probes {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let mut probes = Vec::new();
+        for container in pod.spec["containers"].as_array().into_iter().flatten() {
+            let probe = &container["readinessProbe"];
+            let period = Duration::from_secs(probe["periodSeconds"].as_u64().unwrap_or(10));
+            let action = if let Some(get) = probe["httpGet"].as_object() {
+                let port = pod.port(container, &get["port"]);
+                let path = get["path"].as_str().unwrap_or("/").to_string();
+                Some((port, Some(path)))
+            } else {
+                probe["tcpSocket"]
+                    .as_object()
+                    .map(|tcp| (pod.port(container, &tcp["port"]), None))
+            };
+            if let Some((port, path)) = action {
+                probes.push((period, std::net::SocketAddr::from((ip, port)), path));
+            }
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (passed, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let thread = {
+            let (stop, passed, failed) = (stop.clone(), passed.clone(), failed.clone());
+            from.spawn(move || {
+                let started = Instant::now();
+                let mut next: Vec<Instant> = probes.iter().map(|_| started).collect();
+                while !stop.load(Ordering::SeqCst) {
+                    for ((period, addr, path), due) in probes.iter().zip(next.iter_mut()) {
+                        if Instant::now() < *due {
+                            continue;
+                        }
+                        *due += *period;
+                        let ok = match path {
+                            Some(path) => probe_http(*addr, path),
+                            None => {
+                                TcpStream::connect_timeout(addr, Duration::from_secs(1)).is_ok()
+                            }
+                        };
+                        let counter = if ok { &passed } else { &failed };
+                        counter.fetch_add(1, Ordering::SeqCst);
+                    }
+                    thread::sleep(Duration::from_millis(20));
+                }
+            })
+        };
+        Probes {
+            stop,
+            passed,
+            failed,
+            thread: Some(thread),
+        }
+    }
+
+    /// Probes that passed and failed so far.
+    pub fn counts(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering;
+        (
+            self.passed.load(Ordering::SeqCst),
+            self.failed.load(Ordering::SeqCst),
+        )
+    }
+}
+
+impl Drop for Probes {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// An HTTP probe as the kubelet sends it (its timeout is the kubelet's default, 1 s).
+fn probe_http(addr: std::net::SocketAddr, path: &str) -> bool {
+    let Ok(mut stream) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: kube-probe/1.33\r\nAccept: */*\r\nConnection: close\r\n\r\n"
+    );
+    let mut head = [0u8; 12];
+    if stream.write_all(request.as_bytes()).is_err() || stream.read_exact(&mut head).is_err() {
+        return false;
+    }
+    std::str::from_utf8(&head[9..12])
+        .ok()
+        .and_then(|status| status.parse::<u16>().ok())
+        .is_some_and(|status| (200..400).contains(&status))
 }
