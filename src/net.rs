@@ -417,6 +417,39 @@ pub fn reset(socket: impl AsFd) {
     let _ = socket2::SockRef::from(&socket).set_linger(Some(Duration::ZERO));
 }
 
+/// Whether an RST has arrived on a connected socket: its pending error is a reset (after the
+/// peer's FIN, Linux reports the reset as `EPIPE`). Reading it clears it.
+pub fn reset_arrived(socket: impl AsFd) -> bool {
+    match socket2::SockRef::from(&socket).take_error() {
+        Ok(Some(error)) => matches!(error.raw_os_error(), Some(libc::ECONNRESET | libc::EPIPE)),
+        _ => false,
+    }
+}
+
+/// How long to look for an RST behind a peer's FIN: a peer that closed before the last bytes
+/// sent to it arrived resets the connection when they do, a round trip after its FIN at most;
+/// four of the socket's smoothed round trips, between 2 and 50 ms.
+pub fn reset_wait(socket: impl AsFd) -> Duration {
+    let mut info = std::mem::MaybeUninit::<libc::tcp_info>::zeroed();
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `info`, a tcp_info it may leave zeroed.
+    let rc = unsafe {
+        libc::getsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&socket.as_fd()),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            info.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    // SAFETY: zeroed is a valid tcp_info, and getsockopt wrote a valid one when it succeeded.
+    let rtt = match rc {
+        0 => Duration::from_micros(u64::from(unsafe { info.assume_init() }.tcpi_rtt)),
+        _ => Duration::ZERO,
+    };
+    (rtt * 4).clamp(Duration::from_millis(2), Duration::from_millis(50))
+}
+
 /// Bytes waiting in the socket's receive queue.
 pub fn unread_bytes(fd: RawFd) -> usize {
     let mut pending: libc::c_int = 0;

@@ -279,3 +279,135 @@ fn a_post_the_callee_reset_unread_is_sent_again_with_its_body() {
         1.0
     );
 }
+
+/// Reads one request (head, and a body by its `content-length`) off `stream`: its head.
+fn read_request(stream: &mut TcpStream) -> Option<String> {
+    use std::io::Read;
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return None,
+        }
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
+    let length: usize = head
+        .lines()
+        .find_map(|line| {
+            let (name, value) = line.split_once(':')?;
+            name.eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse().ok())?
+        })
+        .unwrap_or(0);
+    let mut body = vec![0u8; length];
+    stream.read_exact(&mut body).ok()?;
+    Some(head)
+}
+
+/// A callee whose first connection answers one request with keep-alive and then closes on the
+/// next: with that request unread (`unread`: a FIN, and its kernel's RST for the unread bytes
+/// right behind, as when a server closes an idle pooled connection just as a request goes out),
+/// or after reading it whole (a FIN alone: it may have acted on it). Its other connections
+/// answer every request. Records the request lines it read, each after the number of its
+/// connection, and `0 unread` when a request came on the first connection and was left so.
+fn closing_callee(unread: bool) -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let requests = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = requests.clone();
+    thread::spawn(move || {
+        for (number, stream) in listener.incoming().enumerate() {
+            let Ok(mut stream) = stream else { return };
+            let seen = seen.clone();
+            thread::spawn(move || {
+                let mut served = 0;
+                loop {
+                    if number == 0 && served == 1 {
+                        if unread {
+                            // Until the next request is here, unread; then FIN, and the close
+                            // of a socket with unread bytes: an RST.
+                            if matches!(stream.peek(&mut [0u8; 1]), Ok(1)) {
+                                seen.lock().unwrap().push("0 unread".to_string());
+                            }
+                            let _ = stream.shutdown(std::net::Shutdown::Write);
+                        } else if let Some(head) = read_request(&mut stream) {
+                            let line = head.lines().next().unwrap_or("").to_string();
+                            seen.lock().unwrap().push(format!("0 {line}"));
+                            let _ = stream.shutdown(std::net::Shutdown::Write);
+                        }
+                        return;
+                    }
+                    let Some(head) = read_request(&mut stream) else {
+                        return;
+                    };
+                    let line = head.lines().next().unwrap_or("").to_string();
+                    seen.lock().unwrap().push(format!("{number} {line}"));
+                    served += 1;
+                    if stream
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, requests)
+}
+
+/// A POST the callee never read, on a pooled connection it closed as the POST went out (a FIN,
+/// then the RST its kernel sends for the unread bytes), goes again with its body; one it read
+/// before closing (a FIN alone) does not. Not a race: the callee closes once the request is
+/// there. (The proxy puts the first connection back in its pool as the first response ends; a
+/// POST that came before that went on a new connection, and the case is played again.) The
+/// fast lane takes only idempotent requests without a body, which go again after any close.
+#[test]
+fn a_post_the_callee_closed_its_pooled_connection_on_unread_is_sent_again() {
+    let post = "POST /post HTTP/1.1\r\nHost: callee.test\r\ncontent-length: 5\r\n\r\norder";
+    for (engine, first, then) in [("hyper", GET_THROUGH_HYPER, post)] {
+        for unread in [true, false] {
+            let mut played = false;
+            for _ in 0..5 {
+                let (addr, requests) = closing_callee(unread);
+                let proxy = outbound_to(addr, &[]);
+                let mut client = TcpStream::connect(proxy.outbound[0]).unwrap();
+                client.set_read_timeout(Some(PATIENCE)).unwrap();
+                let mut statuses = Vec::new();
+                for request in [first, then] {
+                    client.write_all(request.as_bytes()).unwrap();
+                    let response = read_response(&mut client)
+                        .unwrap_or_else(|error| panic!("{engine}: {request:?}: {error}"));
+                    statuses.push(response.status);
+                    thread::sleep(std::time::Duration::from_millis(20));
+                }
+                let requests = requests.lock().unwrap().clone();
+                // The POST on the pooled first connection: the case this test is about.
+                if !requests
+                    .iter()
+                    .any(|line| line.starts_with("0 unread") || line.starts_with("0 POST"))
+                {
+                    continue;
+                }
+                played = true;
+                let want = if unread { [200, 200] } else { [200, 502] };
+                assert_eq!(statuses, want, "{engine}, unread {unread}: {requests:?}");
+                // The POST was read once: on a second connection, or before the close.
+                let posts = requests.iter().filter(|line| line.contains("POST")).count();
+                assert_eq!(posts, 1, "{engine}, unread {unread}: {requests:?}");
+                if unread {
+                    let retried = proxy.metric(
+                        "lameduck_http_retries_total{direction=\"outbound\",reason=\"unread\",outcome=\"retried\"}",
+                    );
+                    assert_eq!(retried, 1.0, "{engine}");
+                }
+                break;
+            }
+            assert!(
+                played,
+                "{engine}, unread {unread}: the POST never went on the pooled connection"
+            );
+        }
+    }
+}

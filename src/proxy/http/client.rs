@@ -13,14 +13,17 @@
 
 use std::future::Future;
 use std::io;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
 use hyper::body::Incoming;
 use hyper::client::conn::{http1, http2};
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tracing::debug;
 
@@ -317,7 +320,7 @@ impl Http1Pool {
     async fn dial(self: &Arc<Self>) -> Result<http1::SendRequest<Payload>, SendError> {
         start_sweeping(&self.sweeping, self, Http1Pool::sweep);
         let (stream, port) = self.connector.connect().await.map_err(SendError::Connect)?;
-        let (sender, connection) = http1::handshake(TokioIo::new(stream))
+        let (sender, connection) = http1::handshake(TokioIo::new(UnreadAware::new(stream)))
             .await
             .map_err(SendError::Http)?;
         tokio::spawn(async move {
@@ -335,6 +338,104 @@ impl Http1Pool {
             since: Instant::now(),
         };
         self.idle().push(entry);
+    }
+}
+
+/// A connection to the target as hyper's HTTP/1 client reads it. A FIN after bytes were sent
+/// and before any came back is looked at a little longer ([`net::reset_wait`]): an RST right
+/// behind it says that the target closed the connection with the request unread (a pooled
+/// connection it closed as the request went out), and hyper gets that reset (a request that
+/// never reached the app, which may go again) rather than a close after which the app may have
+/// read it.
+struct UnreadAware {
+    stream: TcpStream,
+    /// Bytes went out since the last ones came in.
+    awaiting: bool,
+    /// After such a FIN: until when to look for the RST, and the next look.
+    looking: Option<(tokio::time::Instant, Pin<Box<tokio::time::Sleep>>)>,
+}
+
+impl UnreadAware {
+    fn new(stream: TcpStream) -> UnreadAware {
+        UnreadAware {
+            stream,
+            awaiting: false,
+            looking: None,
+        }
+    }
+}
+
+impl AsyncRead for UnreadAware {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.looking.is_none() {
+            let before = buf.filled().len();
+            ready!(Pin::new(&mut this.stream).poll_read(cx, buf))?;
+            if buf.filled().len() > before || !this.awaiting {
+                this.awaiting = false;
+                return Poll::Ready(Ok(()));
+            }
+            // A FIN with a request unanswered.
+            let until = tokio::time::Instant::now() + net::reset_wait(&this.stream);
+            this.looking = Some((until, Box::pin(tokio::time::sleep(Duration::ZERO))));
+        }
+        let Some((until, next)) = this.looking.as_mut() else {
+            return Poll::Ready(Ok(()));
+        };
+        loop {
+            if net::reset_arrived(&this.stream) {
+                this.looking = None;
+                return Poll::Ready(Err(io::ErrorKind::ConnectionReset.into()));
+            }
+            if tokio::time::Instant::now() >= *until {
+                this.looking = None;
+                this.awaiting = false;
+                return Poll::Ready(Ok(()));
+            }
+            ready!(next.as_mut().poll(cx));
+            next.as_mut()
+                .reset(tokio::time::Instant::now() + Duration::from_millis(1));
+        }
+    }
+}
+
+impl AsyncWrite for UnreadAware {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let written = ready!(Pin::new(&mut this.stream).poll_write(cx, buf))?;
+        this.awaiting |= written > 0;
+        Poll::Ready(Ok(written))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let written = ready!(Pin::new(&mut this.stream).poll_write_vectored(cx, bufs))?;
+        this.awaiting |= written > 0;
+        Poll::Ready(Ok(written))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
     }
 }
 
