@@ -652,16 +652,12 @@ fn an_adaptive_quiesce_lasts_while_connections_arrive_and_status_says_why() {
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
 
-/// Never a black hole: once an adaptive quiesce's lame duck is over, a connection that still
-/// arrives is accepted and reset at once (never left to time out), counted in the metrics,
-/// `lameduck status` and the log; and when the proxy is signalled (the app has exited), it does
-/// not exit while late connections keep arriving, but once their source has been quiet for its
-/// window; with none, it exits at once.
-#[test]
-fn late_connections_are_refused_at_once_and_the_proxy_lingers_while_they_come() {
+/// A proxy with an adaptive lame duck whose inbound side a preStop hook has quiesced, with
+/// nothing arriving: its lame duck ended at its minimum, and the inbound side drained at once.
+fn quiesced_adaptively(test: &str) -> (Backend, PathBuf, Proxy) {
     let backend = Backend::start();
-    let (_dir, socket) = shared_dir("late");
-    let mut proxy = Proxy::start(&[
+    let (dir, socket) = shared_dir(test);
+    let proxy = Proxy::start(&[
         "--inbound",
         &backend.route("127.0.0.1:0"),
         "--drain-socket",
@@ -670,10 +666,20 @@ fn late_connections_are_refused_at_once_and_the_proxy_lingers_while_they_come() 
         "--lame-duck-min=500ms",
         "--shutdown-grace-period=30s",
     ]);
-    let inbound = proxy.inbound[0];
-    // Nothing arrives: the lame duck ends at its minimum, the inbound side drains at once.
     let (code, out, _) = run_hook("prestop", &socket, &[]);
     assert!(code.success(), "{out}");
+    (backend, dir, proxy)
+}
+
+/// Never a black hole: once an adaptive quiesce's lame duck is over, a connection that still
+/// arrives is accepted and reset at once (never left to time out), counted in the metrics,
+/// `lameduck status` and the log; and when the proxy is signalled (the app has exited), it does
+/// not exit while late connections keep arriving, but once their source has been quiet for its
+/// window; with none, it exits at once.
+#[test]
+fn late_connections_are_refused_at_once_and_the_proxy_lingers_while_they_come() {
+    let (backend, _dir, mut proxy) = quiesced_adaptively("late");
+    let inbound = proxy.inbound[0];
     proxy
         .logs
         .wait_for("the listener kept for late connections", |line| {
@@ -748,19 +754,7 @@ fn late_connections_are_refused_at_once_and_the_proxy_lingers_while_they_come() 
 /// linger for nothing.
 #[test]
 fn without_late_connections_the_proxy_exits_at_once() {
-    let backend = Backend::start();
-    let (_dir, socket) = shared_dir("no-late");
-    let mut proxy = Proxy::start(&[
-        "--inbound",
-        &backend.route("127.0.0.1:0"),
-        "--drain-socket",
-        &socket,
-        "--lame-duck-max=10s",
-        "--lame-duck-min=500ms",
-        "--shutdown-grace-period=30s",
-    ]);
-    let (code, out, _) = run_hook("prestop", &socket, &[]);
-    assert!(code.success(), "{out}");
+    let (_backend, _dir, mut proxy) = quiesced_adaptively("no-late");
     let signalled = Instant::now();
     proxy.signal(libc::SIGTERM);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));

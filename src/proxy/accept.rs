@@ -118,8 +118,8 @@ pub async fn accept_loop(
 }
 
 /// Accepts what still arrives on a closed side's listener and resets it at once: a late
-/// connection, counted (and in the lame duck's book, for the linger), never left to time out;
-/// until the side stops refusing.
+/// connection, counted (and in the side's book of late arrivals, for the linger), never left to
+/// time out; until the side stops refusing.
 async fn refuse_late(
     listener: TcpListener,
     proxy_route: Arc<ProxyRoute>,

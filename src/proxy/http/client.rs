@@ -347,7 +347,7 @@ impl Http1Pool {
 /// connection it closed as the request went out), and hyper gets that reset (a request that
 /// never reached the app, which may go again) rather than a close after which the app may have
 /// read it.
-struct UnreadAware {
+pub struct UnreadAware {
     stream: TcpStream,
     /// Bytes went out since the last ones came in.
     awaiting: bool,
@@ -362,6 +362,11 @@ impl UnreadAware {
             awaiting: false,
             looking: None,
         }
+    }
+
+    /// The connection, once hyper has handed it over (an upgrade: a tunnel from then on).
+    pub fn into_inner(self) -> TcpStream {
+        self.stream
     }
 }
 

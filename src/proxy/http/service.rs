@@ -25,11 +25,10 @@ use hyper::header::{
 use hyper::upgrade::OnUpgrade;
 use hyper::{Method, Request, Response, StatusCode, Version};
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
 use tracing::{Instrument, debug};
 
 use super::body::{BodyError, BodyStalled, Held, Payload, RequestBodyGuard, Stall, reached_end};
-use super::client::{Lease, SendError, Upstream};
+use super::client::{Lease, SendError, UnreadAware, Upstream};
 use super::context::{ConnCtx, HttpVersion};
 use super::ending::{self, Ending, Step};
 use super::headers::{
@@ -578,13 +577,13 @@ fn spawn_tunnel(ctx: &Arc<ConnCtx>, client: OnUpgrade, target: OnUpgrade, framin
         });
         match (
             client.downcast::<TokioIo<ServerIo>>(),
-            target.downcast::<TokioIo<TcpStream>>(),
+            target.downcast::<TokioIo<UnreadAware>>(),
         ) {
             (Ok(client), Ok(target)) => {
                 let Some(client_stream) = client.io.into_inner().into_stream() else {
                     return;
                 };
-                let target_stream = target.io.into_inner();
+                let target_stream = target.io.into_inner().into_inner();
                 // Bytes read past the handshake on either side go first.
                 if tcp::write_all(&target_stream, &client.read_buf)
                     .await
