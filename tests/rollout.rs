@@ -984,6 +984,16 @@ fn probes_left_on_the_apps_port_keep_every_lame_duck_to_its_maximum() {
 }
 
 #[test]
+fn rollout_loses_nothing_when_nodes_forget_in_half_a_second_app_exits_at_once() {
+    zero_loss("ro5i", 14, profile(500, "immediate", 13));
+}
+
+#[test]
+fn rollout_loses_nothing_when_nodes_forget_in_two_seconds() {
+    zero_loss("ro02", 15, profile(2_000, "graceful", 14));
+}
+
+#[test]
 fn rollout_loses_nothing_when_nodes_forget_in_two_seconds_app_exits_at_once() {
     zero_loss("ro2i", 2, profile(2_000, "immediate", 3));
 }

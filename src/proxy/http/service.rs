@@ -427,7 +427,13 @@ impl Failure {
             // The request body failed on the client's side: a malformed chunk, a client gone
             // mid-body.
             FailureKind::RequestBodyBroken
-        } else if reused && (error.is_incomplete_message() || error.is_canceled()) {
+        } else if reused
+            && (error.is_incomplete_message()
+                || error.is_canceled()
+                || unanswered == Some(Unanswered::Unread))
+        {
+            // The keep-alive race: closed, or reset with the request unread, before any byte
+            // of a response on a connection the pool lent.
             FailureKind::ClosedBeforeResponse
         } else if error.is_parse() && error.to_string().contains("content-length") {
             // hyper's parser refuses a bad length where there is a body; the policy names it.
