@@ -15,10 +15,13 @@
 //! clients that still send.
 //!
 //! Sources that have not arrived yet are covered by the pod's request rate before the lame
-//! duck (the *expected* rate): every request that still comes here arrives as a new connection,
-//! so the pod as a whole must be silent for as many of the gaps that rate predicts. This holds
-//! a quiet service whose nodes have not sent anything yet in the first seconds. The evidence
-//! ends once the pod as a whole is quiet and every source has stopped.
+//! duck (the *expected* rate): a request still sent here through the Service arrives as a new
+//! connection, so the pod as a whole must be silent for [`EXPECTED_SILENCES`] of the gaps that
+//! rate predicts: more than a source's 20, because only part of those requests come as new
+//! connections (a keep-alive client held here moves to another pod at its first one, and
+//! stays there), down to a fifth in a keep-alive-heavy quiet service (`exp(-100/5)` again).
+//! This holds a quiet service whose nodes have not sent anything yet in the first seconds. The
+//! evidence ends once the pod as a whole is quiet and every source has stopped.
 //!
 //! Times are offsets from the start of the lame duck, so that the rule is a pure function of
 //! the arrivals (`benches/lame_duck.rs` drives it with simulated clusters).
@@ -49,6 +52,10 @@ pub struct Rule {
 /// (docs/pod-lifecycle.md says how this figure was chosen: benches/lame_duck.rs measures it;
 /// the floor is `--lame-duck-quiet-window`).
 pub const SILENCES: f64 = 20.0;
+
+/// How many gaps at the pod's request rate before the lame duck it must be silent for as a
+/// whole (see the module's documentation).
+pub const EXPECTED_SILENCES: f64 = 100.0;
 
 /// The slowest source the adaptive lame duck waits for ([`Rule::slowest`]): one new connection
 /// every 10 s (benches/lame_duck.rs measures it).
@@ -124,7 +131,8 @@ impl Arrivals {
     pub fn end(&self, rule: &Rule) -> Option<(Duration, Holder)> {
         let expected = (self.expected_rate > 0.0).then(|| {
             let gap = Duration::from_secs_f64(1.0 / self.expected_rate);
-            let quiet = self.last.unwrap_or_default() + gap.mul_f64(rule.silences).max(rule.floor);
+            let quiet =
+                self.last.unwrap_or_default() + gap.mul_f64(EXPECTED_SILENCES).max(rule.floor);
             (
                 quiet,
                 Holder::Expected {
@@ -243,11 +251,11 @@ mod tests {
 
     #[test]
     fn the_rate_before_the_lame_duck_holds_it_until_the_pod_as_a_whole_is_quiet() {
-        // Two requests a second before: 20 gaps of 500 ms, from the start or the last arrival.
-        let mut arrivals = Arrivals::expecting(2.0);
+        // Ten requests a second before: 100 gaps of 100 ms, from the start or the last arrival.
+        let mut arrivals = Arrivals::expecting(10.0);
         assert_eq!(
             arrivals.end(&RULE),
-            Some((ms(10_000), Holder::Expected { rate: 2.0 }))
+            Some((ms(10_000), Holder::Expected { rate: 10.0 }))
         );
         let busy: IpAddr = "10.0.0.1".parse().unwrap();
         for at in 1..=100 {
@@ -262,11 +270,11 @@ mod tests {
         // One slower than one every 10 s is not waited for: the pod's rate alone holds it.
         arrivals.arrive("10.0.0.3".parse().unwrap(), ms(12_000));
         assert_eq!(arrivals.end(&RULE).unwrap().0, ms(63_000));
-        let mut scraped = Arrivals::expecting(2.0);
+        let mut scraped = Arrivals::expecting(10.0);
         scraped.arrive("10.0.0.3".parse().unwrap(), ms(12_000));
         assert_eq!(
             scraped.end(&RULE),
-            Some((ms(22_000), Holder::Expected { rate: 2.0 }))
+            Some((ms(22_000), Holder::Expected { rate: 10.0 }))
         );
         // An idle pod, or none known: only the sources hold it.
         assert_eq!(Arrivals::expecting(0.0).end(&RULE), None);

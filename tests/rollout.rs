@@ -593,6 +593,8 @@ struct Gone {
     lingered: Duration,
     /// The kubelet's probes of the pod that passed and failed, over its whole life.
     probes: (u64, u64),
+    /// Its proxy's last word on the lame duck: why it was still open, or why it ended.
+    why: String,
 }
 
 /// The first number after `field=` in a log line.
@@ -751,7 +753,16 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
                 "{}",
                 pod.timeline.text()
             );
+            let why = log
+                .lines()
+                .filter(|line| {
+                    line.contains("lame duck still open") || line.contains("lame duck over")
+                })
+                .nth_back(1)
+                .unwrap_or_default()
+                .to_string();
             Gone {
+                why,
                 last_forgot,
                 lame_duck,
                 late,
@@ -786,6 +797,9 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
         tally
             .failed
             .push(format!("id {id}: the app saw it, its client got no answer"));
+    }
+    for gone in &gone {
+        eprintln!("{tag}:   {}", gone.why);
     }
     let pods: Vec<String> = gone
         .iter()
@@ -946,9 +960,11 @@ fn zero_loss(tag: &str, k: u8, profile: Profile) -> Option<Run> {
     Some(run)
 }
 
-/// At a short propagation, with the kubelet probing from the bridge's address, each lame duck
-/// ends once the nodes' clients have moved on, not at its maximum (the probes go to the admin
-/// port and are no traffic).
+/// At a short propagation, with the kubelet probing from the bridge's address every second,
+/// each lame duck ends once the nodes' clients have moved on, not at its maximum: the probes go
+/// to the admin port and are no traffic. (Every node forgets the pod within 0.75 s, so a source
+/// of new connections sent its last before then, and its window, 20 of its mean gaps counted
+/// from the start, ends before 0.75 + 20 × 0.75 s: short of the 16 s maximum.)
 #[test]
 fn rollout_loses_nothing_when_nodes_forget_in_half_a_second_probed_from_the_bridge() {
     let Some(run) = zero_loss("ro05", 1, profile(500, "graceful", 1)) else {
@@ -957,7 +973,7 @@ fn rollout_loses_nothing_when_nodes_forget_in_half_a_second_probed_from_the_brid
     for gone in &run.gone {
         let lasted = gone.lame_duck.expect("a lame duck");
         assert!(
-            lasted < LAME_DUCK_MAX - Duration::from_secs(2),
+            lasted + Duration::from_millis(100) < LAME_DUCK_MAX,
             "ro05: the lame duck lasted {lasted:?}, to its maximum: {gone:?}"
         );
     }
