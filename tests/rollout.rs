@@ -63,7 +63,8 @@ const H2_CLIENTS: usize = 2;
 const LAME_DUCK_MAX: Duration = Duration::from_secs(16);
 
 /// The workload: the pod test's app with a readiness probe every second, an HTTP/2 relay with
-/// a TCP one, and a grace period of 20 s for the proxy.
+/// a TCP one, and a grace period of 20 s for the proxy. The probes wait 5 s for their answer,
+/// so that a busy 2-core machine does not fail them.
 const DEPLOYMENT: &str = "\
 apiVersion: apps/v1
 kind: Deployment
@@ -85,6 +86,7 @@ spec:
           readinessProbe:
             httpGet: {path: /healthz, port: 8080}
             periodSeconds: 1
+            timeoutSeconds: 5
         - name: app-h2
           image: testapp:relay
           ports:
@@ -92,6 +94,7 @@ spec:
           readinessProbe:
             tcpSocket: {port: 8081}
             periodSeconds: 1
+            timeoutSeconds: 5
 ";
 
 /// How much the clients send.

@@ -721,9 +721,9 @@ fn http_status_within(port: u16, path: &str, patience: Duration) -> Option<u16> 
 
 /// The kubelet's readiness probes of a running pod's containers, sent from wherever the
 /// calling test puts them (the node's address on the pod network: the bridge's), to the pod's
-/// address, every `periodSeconds`: `httpGet` (a status from 200 to 399 passes, with the
-/// kubelet's `User-Agent`) and `tcpSocket` (a connection that opens passes). Counts what passed
-/// and what failed, until dropped.
+/// address, every `periodSeconds`, each waiting `timeoutSeconds`: `httpGet` (a status from 200
+/// to 399 passes, with the kubelet's `User-Agent`) and `tcpSocket` (a connection that opens
+/// passes). Counts what passed and what failed, until dropped.
 pub struct Probes {
     stop: Arc<std::sync::atomic::AtomicBool>,
     passed: Arc<std::sync::atomic::AtomicU64>,
@@ -739,6 +739,7 @@ impl Probes {
         for container in pod.spec["containers"].as_array().into_iter().flatten() {
             let probe = &container["readinessProbe"];
             let period = Duration::from_secs(probe["periodSeconds"].as_u64().unwrap_or(10));
+            let timeout = Duration::from_secs(probe["timeoutSeconds"].as_u64().unwrap_or(1));
             let action = if let Some(get) = probe["httpGet"].as_object() {
                 let port = pod.port(container, &get["port"]);
                 let path = get["path"].as_str().unwrap_or("/").to_string();
@@ -749,7 +750,12 @@ impl Probes {
                     .map(|tcp| (pod.port(container, &tcp["port"]), None))
             };
             if let Some((port, path)) = action {
-                probes.push((period, std::net::SocketAddr::from((ip, port)), path));
+                probes.push((
+                    period,
+                    timeout,
+                    std::net::SocketAddr::from((ip, port)),
+                    path,
+                ));
             }
         }
         let stop = Arc::new(AtomicBool::new(false));
@@ -760,16 +766,14 @@ impl Probes {
                 let started = Instant::now();
                 let mut next: Vec<Instant> = probes.iter().map(|_| started).collect();
                 while !stop.load(Ordering::SeqCst) {
-                    for ((period, addr, path), due) in probes.iter().zip(next.iter_mut()) {
+                    for ((period, timeout, addr, path), due) in probes.iter().zip(next.iter_mut()) {
                         if Instant::now() < *due {
                             continue;
                         }
                         *due += *period;
                         let ok = match path {
-                            Some(path) => probe_http(*addr, path),
-                            None => {
-                                TcpStream::connect_timeout(addr, Duration::from_secs(1)).is_ok()
-                            }
+                            Some(path) => probe_http(*addr, path, *timeout),
+                            None => TcpStream::connect_timeout(addr, *timeout).is_ok(),
                         };
                         let counter = if ok { &passed } else { &failed };
                         counter.fetch_add(1, Ordering::SeqCst);
@@ -805,12 +809,12 @@ impl Drop for Probes {
     }
 }
 
-/// An HTTP probe as the kubelet sends it (its timeout is the kubelet's default, 1 s).
-fn probe_http(addr: std::net::SocketAddr, path: &str) -> bool {
-    let Ok(mut stream) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else {
+/// An HTTP probe as the kubelet sends it, waiting `timeout`.
+fn probe_http(addr: std::net::SocketAddr, path: &str, timeout: Duration) -> bool {
+    let Ok(mut stream) = TcpStream::connect_timeout(&addr, timeout) else {
         return false;
     };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+    let _ = stream.set_read_timeout(Some(timeout));
     let request = format!(
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: kube-probe/1.33\r\nAccept: */*\r\nConnection: close\r\n\r\n"
     );
