@@ -18,7 +18,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use hyper::{Request, Response};
-use support::scripted::{After, Scripted};
+use support::scripted::{After, Scripted, read_request};
 use support::{EchoServer, Proxy};
 
 /// A proxy that runs `probes` (the JSON of `--app-probes`) against the app on 127.0.0.1.
@@ -283,13 +283,8 @@ fn tls_app() -> SocketAddr {
             thread::spawn(move || {
                 let mut connection = rustls::ServerConnection::new(config).unwrap();
                 let mut tls = rustls::Stream::new(&mut connection, &mut stream);
-                let mut head = Vec::new();
-                let mut byte = [0u8; 1];
-                while !head.ends_with(b"\r\n\r\n") {
-                    match tls.read(&mut byte) {
-                        Ok(1) => head.push(byte[0]),
-                        _ => return,
-                    }
+                if read_request(&mut tls).is_none() {
+                    return;
                 }
                 let _ = tls.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n");
                 let _ = tls.flush();

@@ -59,17 +59,19 @@ fn finish(mut child: Child, started: Instant) -> (ExitStatus, String, Duration) 
 }
 
 /// A proxy with an inbound route to a test backend and its control socket in a shared
-/// folder: (backend, folder, socket path, proxy).
-fn quiescable(test: &str) -> (Backend, PathBuf, String, Proxy) {
+/// folder, and `extra` flags: (backend, folder, socket path, proxy).
+fn quiescable_with(test: &str, extra: &[&str]) -> (Backend, PathBuf, String, Proxy) {
     let backend = Backend::start();
     let (dir, socket) = shared_dir(test);
-    let proxy = Proxy::start(&[
-        "--inbound",
-        &backend.route("127.0.0.1:0"),
-        "--drain-socket",
-        &socket,
-    ]);
+    let route = backend.route("127.0.0.1:0");
+    let mut args = vec!["--inbound", &route, "--drain-socket", &socket];
+    args.extend_from_slice(extra);
+    let proxy = Proxy::start(&args);
     (backend, dir, socket, proxy)
+}
+
+fn quiescable(test: &str) -> (Backend, PathBuf, String, Proxy) {
+    quiescable_with(test, &[])
 }
 
 fn run_hook(hook: &str, socket: &str, args: &[&str]) -> (ExitStatus, String, Duration) {
@@ -655,17 +657,12 @@ fn an_adaptive_quiesce_lasts_while_connections_arrive_and_status_says_why() {
 /// A proxy with an adaptive lame duck whose inbound side a preStop hook has quiesced, with
 /// nothing arriving: its lame duck ended at its minimum, and the inbound side drained at once.
 fn quiesced_adaptively(test: &str) -> (Backend, PathBuf, Proxy) {
-    let backend = Backend::start();
-    let (dir, socket) = shared_dir(test);
-    let proxy = Proxy::start(&[
-        "--inbound",
-        &backend.route("127.0.0.1:0"),
-        "--drain-socket",
-        &socket,
+    let adaptive = [
         "--lame-duck-max=10s",
         "--lame-duck-min=500ms",
         "--shutdown-grace-period=30s",
-    ]);
+    ];
+    let (backend, dir, socket, proxy) = quiescable_with(test, &adaptive);
     let (code, out, _) = run_hook("prestop", &socket, &[]);
     assert!(code.success(), "{out}");
     (backend, dir, proxy)

@@ -76,30 +76,13 @@ fn serve(
     script: &(dyn Fn(&str, usize) -> (String, After) + Send + Sync),
     seen: &Mutex<Vec<String>>,
 ) {
+    let mut byte = [0u8; 1];
     loop {
-        let mut head = Vec::new();
-        let mut byte = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") {
-            match stream.read(&mut byte) {
-                Ok(1) => head.push(byte[0]),
-                _ => return,
-            }
-        }
-        let head = String::from_utf8_lossy(&head).into_owned();
+        let Some((head, _)) = read_request(&mut stream) else {
+            return;
+        };
         let target = head.split(' ').nth(1).unwrap_or("").to_string();
         let path = target.split('?').next().unwrap_or("").to_string();
-        let length: usize = head
-            .lines()
-            .find_map(|line| {
-                let (name, value) = line.split_once(':')?;
-                name.eq_ignore_ascii_case("content-length")
-                    .then(|| value.trim().parse().ok())?
-            })
-            .unwrap_or(0);
-        let mut body = vec![0u8; length];
-        if stream.read_exact(&mut body).is_err() {
-            return;
-        }
         seen.lock().unwrap().push(head);
         let (answer, after) = script(&path, number);
         match after {
@@ -118,4 +101,29 @@ fn serve(
             return;
         }
     }
+}
+
+/// Reads one request off `stream`: its head, and its body by its `Content-Length`; `None` when
+/// the peer closes (or fails) first.
+pub fn read_request(stream: &mut impl Read) -> Option<(String, Vec<u8>)> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return None,
+        }
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
+    let length: usize = head
+        .lines()
+        .find_map(|line| {
+            let (name, value) = line.split_once(':')?;
+            name.eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse().ok())?
+        })
+        .unwrap_or(0);
+    let mut body = vec![0u8; length];
+    stream.read_exact(&mut body).ok()?;
+    Some((head, body))
 }
