@@ -428,7 +428,8 @@ pub fn reset_arrived(socket: impl AsFd) -> bool {
 
 /// How long to look for an RST behind a peer's FIN: a peer that closed before the last bytes
 /// sent to it arrived resets the connection when they do, a round trip after its FIN at most;
-/// four of the socket's smoothed round trips, between 2 and 50 ms.
+/// four of the socket's smoothed round trips, between 10 ms (room for a busy peer's scheduling
+/// between its FIN and its close) and 50 ms.
 pub fn reset_wait(socket: impl AsFd) -> Duration {
     let mut info = std::mem::MaybeUninit::<libc::tcp_info>::zeroed();
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
@@ -447,7 +448,7 @@ pub fn reset_wait(socket: impl AsFd) -> Duration {
         0 => Duration::from_micros(u64::from(unsafe { info.assume_init() }.tcpi_rtt)),
         _ => Duration::ZERO,
     };
-    (rtt * 4).clamp(Duration::from_millis(2), Duration::from_millis(50))
+    (rtt * 4).clamp(Duration::from_millis(10), Duration::from_millis(50))
 }
 
 /// Bytes waiting in the socket's receive queue.

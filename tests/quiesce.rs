@@ -720,18 +720,25 @@ fn late_connections_are_refused_at_once_and_the_proxy_lingers_while_they_come() 
         .wait_for("the first late connection in the log", |line| {
             line.contains("late connection refused: the lame duck is over")
         });
-    // The proxy's SIGTERM while late connections still come, one every 100 ms for 3 s: it
-    // stays (its pod's address answers them), then exits once they have stopped.
-    let signalled = Instant::now();
-    proxy.signal(libc::SIGTERM);
+    // Late connections keep coming, one every 100 ms; a second into them, the proxy's SIGTERM
+    // (the app has exited): it stays while they come (its pod's address answers them), then
+    // exits once they have stopped, two seconds after.
+    let started = Instant::now();
+    let mut signalled = None;
     let mut refused = 0;
-    while signalled.elapsed() < Duration::from_secs(3) {
+    while started.elapsed() < Duration::from_secs(4) {
         late("/still-late");
         refused += 1;
-        assert!(
-            proxy.try_wait_exit(Duration::ZERO).is_none(),
-            "exited while late connections came"
-        );
+        if signalled.is_none() && started.elapsed() >= Duration::from_secs(1) {
+            proxy.signal(libc::SIGTERM);
+            signalled = Some(Instant::now());
+        }
+        if signalled.is_some() {
+            assert!(
+                proxy.try_wait_exit(Duration::ZERO).is_none(),
+                "exited while late connections came"
+            );
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
     let stopped = Instant::now();
