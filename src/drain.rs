@@ -136,9 +136,9 @@ pub struct Side {
     /// accept loops write the new connections that tell it its peers still send here into
     /// `arrivals` (before, an accept costs no lock for it).
     recording: AtomicBool,
-    /// The new connections since the lame duck started, by source (src/arrivals.rs), and when
-    /// it started; read by the lame duck, and after it by the linger.
-    arrivals: Mutex<Option<(tokio::time::Instant, Arrivals)>>,
+    /// The new connections since the lame duck started, by source (src/arrivals.rs); read by
+    /// the lame duck and `/status`.
+    arrivals: Mutex<Option<Book>>,
     /// Set by [`Side::refuse_late`] before [`Side::close`]: then each listener, once it has
     /// accepted its queue, goes on accepting what still arrives and resets it at once (a late
     /// connection: counted, never left to time out), until [`Side::stop_refusing`].
@@ -161,7 +161,33 @@ struct Late {
     /// Those that tell that the cluster still sends here (not from an ignored source), by
     /// source, from when the listeners began to refuse them (src/arrivals.rs): the linger
     /// reads it.
-    book: Option<(tokio::time::Instant, Arrivals)>,
+    book: Option<Book>,
+}
+
+/// New connections by source, from when the book started (src/arrivals.rs).
+#[derive(Debug)]
+struct Book {
+    started: tokio::time::Instant,
+    arrivals: Arrivals,
+}
+
+impl Book {
+    fn new(arrivals: Arrivals) -> Book {
+        Book {
+            started: tokio::time::Instant::now(),
+            arrivals,
+        }
+    }
+
+    fn arrive(&mut self, from: IpAddr) {
+        self.arrivals.arrive(from, self.started.elapsed());
+    }
+
+    /// When it says the sources have stopped under `rule`, and what holds it that long.
+    fn quiet_at(&self, rule: &Rule) -> Option<(tokio::time::Instant, Holder)> {
+        let (end, holder) = self.arrivals.end(rule)?;
+        Some((self.started + end, holder))
+    }
 }
 
 impl Side {
@@ -216,22 +242,21 @@ impl Side {
     /// A listener of this side begins to refuse late connections: the book of late arrivals
     /// starts now (once).
     pub fn refusing_from_now(&self) {
-        let mut late = lock(&self.late);
-        if late.book.is_none() {
-            late.book = Some((tokio::time::Instant::now(), Arrivals::default()));
-        }
+        lock(&self.late)
+            .book
+            .get_or_insert_with(|| Book::new(Arrivals::default()));
     }
 
     /// Counts a late connection from `from`, and writes it in the book of late arrivals when
-    /// it `counts` (it is not from an ignored source); true for the first.
-    pub fn refused_late(&self, from: IpAddr, counts: bool) -> bool {
+    /// it `counts` (it is not from an ignored source); how many so far.
+    pub fn refused_late(&self, from: IpAddr, counts: bool) -> u64 {
         let mut late = lock(&self.late);
         late.count += 1;
         late.last = Some((Instant::now(), from));
-        if counts && let Some((started, book)) = late.book.as_mut() {
-            book.arrive(from, started.elapsed());
+        if counts && let Some(book) = late.book.as_mut() {
+            book.arrive(from);
         }
-        late.count == 1
+        late.count
     }
 
     /// Late connections refused so far, and the last one: when, from where.
@@ -247,21 +272,15 @@ impl Side {
         rule: &Rule,
     ) -> Option<(tokio::time::Instant, Holder, tokio::time::Instant)> {
         let late = lock(&self.late);
-        let (started, book) = late.book.as_ref()?;
-        let (end, holder) = book.end(rule)?;
-        Some((*started + end, holder, *started))
+        let book = late.book.as_ref()?;
+        let (quiet_at, holder) = book.quiet_at(rule)?;
+        Some((quiet_at, holder, book.started))
     }
 
     /// Starts the book of new connections of a lame duck starting now, which expects
     /// `expected_rate` a second (src/arrivals.rs); a book already started is kept.
     pub fn record_arrivals(&self, expected_rate: f64) {
-        let mut book = lock(&self.arrivals);
-        if book.is_none() {
-            *book = Some((
-                tokio::time::Instant::now(),
-                Arrivals::expecting(expected_rate),
-            ));
-        }
+        lock(&self.arrivals).get_or_insert_with(|| Book::new(Arrivals::expecting(expected_rate)));
         self.recording.store(true, Ordering::Release);
     }
 
@@ -271,18 +290,15 @@ impl Side {
         if !self.recording.load(Ordering::Acquire) {
             return;
         }
-        if let Some((started, arrivals)) = lock(&self.arrivals).as_mut() {
-            arrivals.arrive(from, started.elapsed());
+        if let Some(book) = lock(&self.arrivals).as_mut() {
+            book.arrive(from);
         }
     }
 
     /// When the book says the rest of the cluster has stopped sending here under `rule`, and
     /// what holds it that long (src/arrivals.rs); `None` before the book or with nothing in it.
     pub fn quiet_at(&self, rule: &Rule) -> Option<(tokio::time::Instant, Holder)> {
-        let book = lock(&self.arrivals);
-        let (started, arrivals) = book.as_ref()?;
-        let (end, holder) = arrivals.end(rule)?;
-        Some((*started + end, holder))
+        lock(&self.arrivals).as_ref()?.quiet_at(rule)
     }
 
     /// Reads the book: when it started and what is in it.
@@ -290,9 +306,9 @@ impl Side {
         &self,
         read: impl FnOnce(tokio::time::Instant, &Arrivals) -> T,
     ) -> Option<T> {
-        let book = lock(&self.arrivals);
-        book.as_ref()
-            .map(|(started, arrivals)| read(*started, arrivals))
+        lock(&self.arrivals)
+            .as_ref()
+            .map(|book| read(book.started, &book.arrivals))
     }
 
     /// Runs an accept loop of this side; it must end soon after [`Side::stop_accepting`]

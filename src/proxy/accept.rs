@@ -143,11 +143,11 @@ async fn refuse_late(
                 net::reset(&stream);
                 drop(stream);
                 proxy.metrics.late_connection(route.direction);
-                let (count, _) = side.late();
-                if side.refused_late(peer.ip(), proxy.counts_for_lame_duck(peer.ip())) {
+                let count = side.refused_late(peer.ip(), proxy.counts_for_lame_duck(peer.ip()));
+                if count == 1 {
                     info!(direction = %route.direction, listen = %route.listen, %peer, "late connection refused: the lame duck is over, yet the cluster still sends new connections here; each is reset at once (never left to time out)");
                 } else if let Some(suppressed) = log.due() {
-                    info!(direction = %route.direction, late_connections = count + 1, last_from = %peer.ip(), suppressed, "late connections still arriving, refused at once");
+                    info!(direction = %route.direction, late_connections = count, last_from = %peer.ip(), suppressed, "late connections still arriving, refused at once");
                 }
             }
             Err(error) => {
