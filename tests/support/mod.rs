@@ -526,6 +526,33 @@ pub fn try_connect(addr: SocketAddr) -> Attempt {
     }
 }
 
+/// Tries to connect to `addr` until an attempt is refused; returns when (from this call) the
+/// first refused attempt *began*, or fails after `limit`. Its start, not its end, says when the
+/// listener stopped taking connections: an attempt whose SYN met the closing listener's SYN
+/// filter (src/net.rs, refuse_new_handshakes) is refused only at its retransmission, a second
+/// later, though the listener had stopped accepting when it began.
+pub fn refusing_from(addr: SocketAddr, limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        let began = started.elapsed();
+        let attempt = Instant::now();
+        if try_connect(addr) == Attempt::Refused {
+            let took = attempt.elapsed();
+            if took >= Duration::from_millis(500) {
+                eprintln!(
+                    "the first refused attempt began {began:?} in and took {took:?}: its SYN met the closing listener's filter and was refused on its retransmission"
+                );
+            }
+            return began;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "{addr}: no connection refused within {limit:?}"
+        );
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Retries `attempt` until it returns true; returns how long that took, or fails after `limit`.
 pub fn wait_until(what: &str, limit: Duration, mut attempt: impl FnMut() -> bool) -> Duration {
     let started = Instant::now();
