@@ -226,8 +226,12 @@ fn status_json(admin: &Admin) -> String {
         .inbound_quiesced_at()
         .map_or(serde_json::Value::Null, timer);
     let (late, last_late) = drain.side(crate::config::Direction::Inbound).late();
+    let (handed_off, loops) = drain.side(crate::config::Direction::Inbound).handoffs();
     let late_connections = serde_json::json!({
-        "refused": late,
+        "arrived": late,
+        "refused": late - handed_off,
+        "handed_off": handed_off,
+        "handoff_loops": loops,
         "last": last_late.map(|(at, from)| serde_json::json!({
             "ms_ago": ms(at.elapsed()),
             "from": from.to_string(),

@@ -25,7 +25,7 @@ use crate::lame_duck::LameDuck;
 use crate::logging::Throttle;
 use crate::metrics::Metrics;
 use crate::net;
-use crate::proxy::{self, ProxyContext, ProxyRoute};
+use crate::proxy::{self, Handoff, ProxyContext, ProxyRoute};
 use crate::quiesce::{self, InboundControl};
 use crate::signals::ShutdownSignals;
 
@@ -239,6 +239,13 @@ impl Bound {
             refusal_log: Mutex::new(Throttle::new(Duration::from_secs(1))),
             lame_duck_ignore_sources: matches!(config.lame_duck, LameDuckPolicy::Adaptive { .. })
                 .then(|| config.lame_duck_ignore_sources.clone()),
+            handoff: Handoff::new(
+                &config.handoffs,
+                &config.pod_ip.to_string(),
+                config.connect_timeout,
+                &metrics,
+            )
+            .map(Arc::new),
         });
         let mut inbound_routes = Vec::new();
         for Listener {
@@ -445,4 +452,6 @@ async fn drain_sequence(
     }
     // Never a black hole: while late connections may still come, the pod's address answers.
     lame_duck.linger(&inbound, deadline.into()).await;
+    // The late connections handed off to the pod's Service finish (within the grace period).
+    inbound.drained().await;
 }

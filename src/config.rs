@@ -19,8 +19,10 @@ use std::time::Duration;
 use clap::Args;
 
 mod app_probes;
+mod handoff;
 
 pub use app_probes::{APP_HEALTH_PREFIX, AppProbe, AppProbes, Check};
+pub use handoff::Handoffs;
 
 /// The inbound route used when neither `--inbound` nor `--outbound` names one.
 pub const DEFAULT_INBOUND_ROUTE: &str = "0.0.0.0:4143=127.0.0.1:8080";
@@ -148,6 +150,12 @@ pub struct ProxyArgs {
     /// [env: LAMEDUCK_APP_PROBES] [default: none]
     #[arg(long, value_name = "JSON")]
     pub app_probes: Option<String>,
+
+    /// Where late connections go once the lame duck is over, instead of being refused: the
+    /// pod's Service for each pod port, comma-separated `PORT=HOST:PORT`; `lameduck inject`
+    /// writes it (docs/pod-lifecycle.md, "Hand-off") [env: LAMEDUCK_HANDOFF] [default: none]
+    #[arg(long, value_name = "PORT=HOST:PORT,...")]
+    pub handoff: Option<String>,
 
     /// The pod's address, to which the app probes go as the kubelet's went
     /// [env: LAMEDUCK_POD_IP] [default: 127.0.0.1]
@@ -424,6 +432,8 @@ pub struct Config {
     pub drain_socket: Option<PathBuf>,
     /// The app's own probes, run by the admin server for the kubelet.
     pub app_probes: AppProbes,
+    /// Where late connections go, by the pod port they addressed.
+    pub handoffs: Handoffs,
     /// Where the app probes go (the kubelet sent them to the pod's address).
     pub pod_ip: IpAddr,
     pub connect_timeout: Duration,
@@ -608,6 +618,11 @@ const APP_PROBES: Setting = Setting {
     flag: "--app-probes",
     var: "LAMEDUCK_APP_PROBES",
     example: r#"{"/app-health/app/readyz": {"httpGet": {"path": "/healthz", "port": 8080}}}"#,
+};
+const HANDOFF: Setting = Setting {
+    flag: "--handoff",
+    var: "LAMEDUCK_HANDOFF",
+    example: "8080=web.shop.svc.cluster.local:80",
 };
 const POD_IP: Setting = Setting {
     flag: "--pod-ip",
@@ -916,6 +931,12 @@ impl Config {
                 .map_err(|reason| raw.error(reason, APP_PROBES.example))?,
             None => AppProbes::default(),
         };
+        let handoffs = match lookup(&HANDOFF, args.handoff)? {
+            Some(raw) => {
+                Handoffs::parse(&raw.value).map_err(|reason| raw.error(reason, HANDOFF.example))?
+            }
+            None => Handoffs::default(),
+        };
         let pod_ip = match lookup(&POD_IP, args.pod_ip)? {
             Some(raw) => raw
                 .value
@@ -1041,6 +1062,7 @@ impl Config {
             shutdown_endpoint,
             drain_socket,
             app_probes,
+            handoffs,
             pod_ip,
             connect_timeout,
             http,

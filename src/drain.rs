@@ -156,6 +156,10 @@ pub struct Side {
 #[derive(Debug, Default)]
 struct Late {
     count: u64,
+    /// Of those, handed off to the pod's Service (src/proxy/handoff.rs).
+    handed_off: u64,
+    /// The hand-off's own connections that the node's Service rules sent back here.
+    loops: u64,
     /// The last one: when, from where.
     last: Option<(Instant, IpAddr)>,
     /// Those that tell that the cluster still sends here (not from an ignored source), by
@@ -249,7 +253,7 @@ impl Side {
 
     /// Counts a late connection from `from`, and writes it in the book of late arrivals when
     /// it `counts` (it is not from an ignored source); how many so far.
-    pub fn refused_late(&self, from: IpAddr, counts: bool) -> u64 {
+    pub fn arrived_late(&self, from: IpAddr, counts: bool) -> u64 {
         let mut late = lock(&self.late);
         late.count += 1;
         late.last = Some((Instant::now(), from));
@@ -259,7 +263,23 @@ impl Side {
         late.count
     }
 
-    /// Late connections refused so far, and the last one: when, from where.
+    /// A late connection was handed off to the pod's Service rather than refused.
+    pub fn handed_off(&self) {
+        lock(&self.late).handed_off += 1;
+    }
+
+    /// One of the hand-off's own connections came back here (not a late connection).
+    pub fn came_back(&self) {
+        lock(&self.late).loops += 1;
+    }
+
+    /// Late connections handed off so far, and the hand-off's connections that came back.
+    pub fn handoffs(&self) -> (u64, u64) {
+        let late = lock(&self.late);
+        (late.handed_off, late.loops)
+    }
+
+    /// Late connections so far (refused or handed off), and the last one: when, from where.
     pub fn late(&self) -> (u64, Option<(Instant, IpAddr)>) {
         let late = lock(&self.late);
         (late.count, late.last)
@@ -370,6 +390,16 @@ impl Side {
     }
 
     /// What a new connection of this side listens to.
+    /// What a late connection that is handed off listens to: the side's tokens but for its
+    /// listeners' close, which it came after (a client that has not sent its first byte yet is
+    /// waited for as on an open listener).
+    pub fn late_conn_tokens(&self) -> ConnTokens {
+        ConnTokens {
+            listeners_closed: Watch(CancellationToken::new()),
+            ..self.conn_tokens()
+        }
+    }
+
     pub fn conn_tokens(&self) -> ConnTokens {
         // The side's own tokens, shared: nothing cancels one connection alone, so a child
         // token each would only cost an allocation and the parent's lock on every open and

@@ -275,7 +275,7 @@ impl LameDuck {
                     late_connections = side.late().0,
                     still = %why_open(holder, book_started),
                     grace_left_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64,
-                    "lingering: late connections keep coming; the pod's address answers them (refused at once) until they stop"
+                    "lingering: late connections keep coming; the pod's address answers them (handed off to the Service, or refused at once) until they stop"
                 );
                 announced = true;
             }
@@ -283,12 +283,15 @@ impl LameDuck {
         }
         let (late, last) = side.late();
         if late > 0 {
+            let (handed_off, loops) = side.handoffs();
             info!(
                 late_connections = late,
+                handed_off,
+                handoff_loops = loops,
                 last_from = last.map(|(_, from)| from.to_string()).unwrap_or_default(),
                 last_ms_ago = last.map_or(0, |(at, _)| at.elapsed().as_millis() as u64),
                 lingered_ms = started.elapsed().as_millis() as u64,
-                "late connections refused after the lame duck"
+                "late connections after the lame duck (handed off or refused)"
             );
         }
     }

@@ -81,7 +81,8 @@ pub struct Metrics {
     connect_failures: Family<Labels, Counter>,
     accept_errors: Family<DirectionLabel, Counter>,
     refused: Family<Labels, Counter>,
-    late: Family<DirectionLabel, Counter>,
+    late: Family<Labels, Counter>,
+    handoff_loops: Counter,
     force_closed: Counter,
     connection_limit: Gauge,
     limit_waits: Counter,
@@ -130,11 +131,17 @@ impl Metrics {
             "Connections on orig-dst routes refused, by direction and reason: not_redirected (sent to the proxy's port itself), to_proxy (bound for one of the proxy's own listeners), loop (one of the proxy's own connections, sent back to it)",
             refused.clone(),
         );
-        let late = Family::<DirectionLabel, Counter>::default();
+        let late = Family::<Labels, Counter>::default();
         registry.register(
             "late_connections",
-            "Connections that arrived after the lame duck was over, each refused at once (accepted and reset), by direction: the cluster still sent them here",
+            "Connections that arrived after the lame duck was over (the cluster still sent them here), by direction and fate: handed_off to the pod's Service, or refused at once (accepted and reset)",
             late.clone(),
+        );
+        let handoff_loops = Counter::default();
+        registry.register(
+            "handoff_loops",
+            "Connections of the hand-off that the node's Service rules sent back to this pod, each reset and dialled again",
+            handoff_loops.clone(),
         );
         let force_closed = Counter::default();
         registry.register(
@@ -237,6 +244,7 @@ impl Metrics {
             accept_errors,
             refused,
             late,
+            handoff_loops,
             force_closed,
             connection_limit,
             limit_waits,
@@ -301,10 +309,18 @@ impl Metrics {
             .inc();
     }
 
-    pub fn late_connection(&self, direction: Direction) {
+    pub fn late_connection(&self, direction: Direction, handed_off: bool) {
+        let fate = match handed_off {
+            true => "handed_off",
+            false => "refused",
+        };
         self.late
-            .get_or_create(&[("direction", direction.as_str())])
+            .get_or_create(&[("direction", direction.as_str()), ("fate", fate)])
             .inc();
+    }
+
+    pub fn handoff_loop(&self) {
+        self.handoff_loops.inc();
     }
 
     pub fn accept_failed(&self, direction: Direction) {

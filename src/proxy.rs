@@ -8,6 +8,7 @@
 
 pub(crate) mod accept;
 mod detect;
+pub(crate) mod handoff;
 pub(crate) mod http;
 mod quiet;
 mod tcp;
@@ -28,6 +29,7 @@ use crate::metrics::Metrics;
 use crate::net::OwnPorts;
 use crate::sync::lock;
 
+pub(crate) use handoff::Handoff;
 pub(crate) use http::Upstream;
 
 /// A route and what serving it needs.
@@ -37,6 +39,8 @@ pub struct ProxyRoute {
     /// ([`net::v6_only`](crate::net::v6_only)); kept to bind it again after a quiesce.
     pub v6_only: bool,
     upstreams: Upstreams,
+    /// A hand-off's route (src/proxy/handoff.rs): its late connection goes to the Service.
+    pub handoff: Option<Arc<Handoff>>,
 }
 
 /// The pooled clients towards a route's targets, for HTTP.
@@ -91,6 +95,22 @@ impl ProxyRoute {
             route,
             v6_only,
             upstreams,
+            handoff: None,
+        }
+    }
+
+    /// The route of a late connection handed off to `route`'s target, a Service.
+    pub fn handing_off(
+        route: Arc<Route>,
+        v6_only: bool,
+        upstream: Arc<Upstream>,
+        handoff: Arc<Handoff>,
+    ) -> ProxyRoute {
+        ProxyRoute {
+            route,
+            v6_only,
+            upstreams: Upstreams::Fixed(upstream),
+            handoff: Some(handoff),
         }
     }
 
@@ -157,6 +177,8 @@ pub struct ProxyContext {
     /// kubelet's probes come from the node's address); `None` when the lame duck is fixed and
     /// arrivals are not recorded at all.
     pub lame_duck_ignore_sources: Option<Vec<Cidr>>,
+    /// Where late inbound connections go instead of being refused, if anywhere.
+    pub handoff: Option<Arc<Handoff>>,
 }
 
 impl ProxyContext {

@@ -702,7 +702,7 @@ fn late_connections_are_refused_at_once_and_the_proxy_lingers_while_they_come() 
     assert!(took < Duration::from_secs(1), "refused after {took:?}");
     assert!(backend.seen_paths().iter().all(|path| path != "/late"));
     assert_eq!(
-        proxy.metric("lameduck_late_connections_total{direction=\"inbound\"}"),
+        proxy.metric("lameduck_late_connections_total{direction=\"inbound\",fate=\"refused\"}"),
         1.0
     );
     let status = Command::new(BIN)
@@ -711,14 +711,15 @@ fn late_connections_are_refused_at_once_and_the_proxy_lingers_while_they_come() 
         .unwrap();
     let status = String::from_utf8(status.stdout).unwrap();
     assert!(
-        status.contains("late:          1 connections refused at once after the lame duck")
+        status.contains("late:          1 connections after the lame duck: 0 handed off to the Service, 1 refused at once")
             && status.contains("from 127.0.0.1"),
         "{status}"
     );
     proxy
         .logs
         .wait_for("the first late connection in the log", |line| {
-            line.contains("late connection refused: the lame duck is over")
+            line.contains("late connection: the lame duck is over")
+                && line.contains("\"to\":\"refused\"")
         });
     // Late connections keep coming, one every 100 ms; a second into them, the proxy's SIGTERM
     // (the app has exited): it stays while they come (its pod's address answers them), then
@@ -750,7 +751,7 @@ fn late_connections_are_refused_at_once_and_the_proxy_lingers_while_they_come() 
     );
     let summary = proxy
         .logs
-        .wait_event("late connections refused after the lame duck");
+        .wait_event("late connections after the lame duck (handed off or refused)");
     assert_eq!(summary["fields"]["late_connections"], 1 + refused);
 }
 
@@ -770,7 +771,7 @@ fn without_late_connections_the_proxy_exits_at_once() {
     assert!(
         proxy
             .logs
-            .events("late connections refused after the lame duck")
+            .events("late connections after the lame duck (handed off or refused)")
             .is_empty()
     );
 }

@@ -742,9 +742,9 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
                 .find(|line| line.contains("lame duck over"))
                 .and_then(|line| logged_number(line, "lasted_ms"))
                 .map(Duration::from_millis);
-            let late_line = log
-                .lines()
-                .find(|line| line.contains("late connections refused after the lame duck"));
+            let late_line = log.lines().find(|line| {
+                line.contains("late connections after the lame duck (handed off or refused)")
+            });
             let late = late_line
                 .and_then(|line| logged_number(line, "late_connections"))
                 .unwrap_or(0);

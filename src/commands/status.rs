@@ -169,14 +169,26 @@ fn render(admin: SocketAddr, status: &Value, connections: &Value) -> String {
         _ => {}
     }
     let late = &status["late_connections"];
-    if late["refused"].as_u64().is_some_and(|refused| refused > 0) {
+    if late["arrived"].as_u64().is_some_and(|arrived| arrived > 0) {
         let _ = writeln!(
             out,
-            "late:          {} connections refused at once after the lame duck, the last {} ago from {}",
+            "late:          {} connections after the lame duck: {} handed off to the Service, {} refused at once; the last {} ago from {}",
+            late["arrived"],
+            late["handed_off"],
             late["refused"],
             seconds(&late["last"]["ms_ago"]),
             late["last"]["from"].as_str().unwrap_or("?"),
         );
+        if late["handoff_loops"]
+            .as_u64()
+            .is_some_and(|loops| loops > 0)
+        {
+            let _ = writeln!(
+                out,
+                "               {} hand-off connections came back to this pod and were dialled again",
+                late["handoff_loops"],
+            );
+        }
     }
     let quiesce = &status["quiesce"];
     if quiesce.is_null() {

@@ -20,6 +20,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::Either;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{Instrument, debug, info, warn};
@@ -107,7 +108,7 @@ pub async fn accept_loop(
     side.refusing_from_now();
     match TcpListener::from_std(listener) {
         Ok(listener) => {
-            info!(direction = %route.direction, listen = %route.listen, "listener closed to new clients: late connections are refused at once");
+            info!(direction = %route.direction, listen = %route.listen, "listener closed to new clients: late connections are refused at once, or handed off to the pod's Service where it has one");
             side.clone()
                 .spawn_refuser(refuse_late(listener, proxy_route, proxy, side));
         }
@@ -140,14 +141,39 @@ async fn refuse_late(
         match accepted {
             Ok((stream, peer)) => {
                 errors.succeeded();
-                net::reset(&stream);
-                drop(stream);
-                proxy.metrics.late_connection(route.direction);
-                let count = side.refused_late(peer.ip(), proxy.counts_for_lame_duck(peer.ip()));
+                let handoff = proxy.handoff.as_ref();
+                if handoff.is_some_and(|handoff| handoff.came_back(peer)) {
+                    // The hand-off's own connection, sent back by the node's Service rules:
+                    // reset unread, its sender dials again.
+                    net::reset(&stream);
+                    side.came_back();
+                    proxy.metrics.handoff_loop();
+                    debug!(%peer, "a hand-off came back to this pod; reset, to be dialled again");
+                    continue;
+                }
+                let handed = handoff.and_then(|handoff| handoff.route_for(&stream, &proxy_route));
+                proxy
+                    .metrics
+                    .late_connection(route.direction, handed.is_some());
+                let count = side.arrived_late(peer.ip(), proxy.counts_for_lame_duck(peer.ip()));
+                let fate = match &handed {
+                    Some(handed) => {
+                        side.handed_off();
+                        let to = handed.route.target.to_string();
+                        spawn_connection(stream, peer, handed, &proxy, &side, None);
+                        to
+                    }
+                    None => {
+                        net::reset(&stream);
+                        drop(stream);
+                        "refused".to_string()
+                    }
+                };
                 if count == 1 {
-                    info!(direction = %route.direction, listen = %route.listen, %peer, "late connection refused: the lame duck is over, yet the cluster still sends new connections here; each is reset at once (never left to time out)");
+                    info!(direction = %route.direction, listen = %route.listen, %peer, to = %fate, "late connection: the lame duck is over, yet the cluster still sends new connections here; each is handed off to the pod's Service where it has one, else reset at once (never left to time out)");
                 } else if let Some(suppressed) = log.due() {
-                    info!(direction = %route.direction, late_connections = count, last_from = %peer.ip(), suppressed, "late connections still arriving, refused at once");
+                    let (handed_off, loops) = side.handoffs();
+                    info!(direction = %route.direction, late_connections = count, handed_off, loops, last_from = %peer.ip(), last_to = %fate, suppressed, "late connections still arriving");
                 }
             }
             Err(error) => {
@@ -246,7 +272,10 @@ fn spawn_connection(
         Protocol::Auto | Protocol::Http => ConnProtocol::Detecting,
     };
     let registration = proxy.conns.register(route.clone(), peer, protocol, permit);
-    let tokens = side.conn_tokens();
+    let tokens = match proxy_route.handoff {
+        Some(_) => side.late_conn_tokens(),
+        None => side.conn_tokens(),
+    };
     let span = tracing::debug_span!("conn", id = registration.conn().id, direction = %route.direction, %peer, target = %route.target);
     let proxy_route = proxy_route.clone();
     let proxy = proxy.clone();
@@ -297,15 +326,23 @@ async fn serve(
     let protocol = route.protocol;
     // The protocol's own future is boxed once it is known, so that a connection holds only
     // the state of the protocol it speaks (the task is sized for its largest variant).
-    let as_tcp = |stream, registration, tokens| {
-        Box::pin(tcp::forward(
+    let as_tcp = |stream, registration, tokens| match &proxy_route.handoff {
+        Some(handoff) => Either::Left(Box::pin(tcp::hand_off(
+            stream,
+            registration,
+            tokens,
+            target,
+            handoff,
+            &proxy,
+        ))),
+        None => Either::Right(Box::pin(tcp::forward(
             stream,
             registration,
             tokens,
             target,
             own_ports,
             &proxy,
-        ))
+        ))),
     };
     if protocol == Protocol::Tcp {
         return as_tcp(stream, registration, tokens).await;

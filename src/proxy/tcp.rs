@@ -11,11 +11,13 @@
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
 use super::ProxyContext;
+use super::handoff::Handoff;
 use super::quiet::Quiet;
 use super::websocket::{self, Frames};
 use crate::close_spread;
@@ -67,6 +69,172 @@ pub async fn forward(
 
     let watches = (&tokens.spread, &tokens.terminate);
     pipe(client, target, conn, watches, proxy, Framing::Bytes).await;
+}
+
+/// How many times a handed-off stream dials again when its connection came back to this pod:
+/// each dial draws one of the Service's endpoints, this pod at most one draw in two while its
+/// node still routes to it (a false failure one stream in a billion).
+const HANDOFF_DIALS: u32 = 30;
+
+/// How long a handed-off stream keeps the bytes it sent, for the case its connection turns out
+/// to have come back to this pod: such a connection arrives as the dial completes, and the
+/// refuser resets it as soon as it runs; a second is that with a wide margin.
+const HANDOFF_PROBATION: Duration = Duration::from_secs(1);
+
+/// The most a handed-off stream keeps for a dial again; beyond it the client waits for the
+/// probation to end (a client that sends that much before its first answer is rare).
+const HANDOFF_KEPT: usize = 64 * 1024;
+
+/// Forwards a late connection to the pod's Service (src/proxy/handoff.rs): as [`forward`],
+/// except that a connection the node's Service rules sent back to this pod is dialled again,
+/// with what the client had sent on it.
+pub async fn hand_off(
+    client: TcpStream,
+    registration: Registration,
+    tokens: ConnTokens,
+    target: &Target,
+    handoff: &Handoff,
+    proxy: &ProxyContext,
+) {
+    let conn = registration.conn();
+    conn.set_protocol(ConnProtocol::Tcp);
+    proxy
+        .metrics
+        .connection_opened(conn.direction(), ConnProtocol::Tcp);
+    let _ = client.set_nodelay(true);
+    let mut kept = Kept::default();
+    for _ in 0..HANDOFF_DIALS {
+        let connected = tokio::select! {
+            // The grace period ran out (or a second signal) while connecting.
+            _ = tokens.terminate.cancelled() => break,
+            connected = connect(target, proxy.connect_timeout, Some(&handoff.tcp_ports)) => connected,
+        };
+        let (upstream, own_port) = match connected {
+            Ok(connected) => connected,
+            Err((failure, error)) => {
+                proxy.metrics.connect_failed(conn.direction(), failure);
+                warn!(%target, %error, "handing off to the Service failed; resetting the client connection");
+                break;
+            }
+        };
+        let port = upstream.local_addr().map_or(0, |local| local.port());
+        let verdict = tokio::select! {
+            _ = tokens.terminate.cancelled() => break,
+            verdict = probation(&client, &upstream, &mut kept, || handoff.looped(port)) => verdict,
+        };
+        // Past the probation a connection cannot come back any more: its port is no one's.
+        drop(own_port);
+        handoff.looped(port);
+        match verdict {
+            Probation::CameBack => {
+                debug!(port, "the hand-off came back to this pod; dialling again");
+                continue;
+            }
+            Probation::Failed(error) => {
+                debug!(%error, "the hand-off failed in its first second; resetting both sides");
+                reset(&upstream);
+                break;
+            }
+            Probation::Clear(first) => {
+                let _ = upstream.set_nodelay(true);
+                if let Ok(addr) = upstream.peer_addr() {
+                    conn.set_target_addr(addr);
+                }
+                if !first.is_empty() && write_all(&client, &first).await.is_err() {
+                    reset(&upstream);
+                    break;
+                }
+                conn.bytes_to_peer
+                    .fetch_add(first.len() as u64, Ordering::Relaxed);
+                conn.bytes_from_peer
+                    .fetch_add(kept.bytes.len() as u64, Ordering::Relaxed);
+                conn.set_state(ConnState::Open);
+                debug!("handed off");
+                let watches = (&tokens.spread, &tokens.terminate);
+                return pipe(client, upstream, conn, watches, proxy, Framing::Bytes).await;
+            }
+        }
+    }
+    reset(&client);
+}
+
+/// What a handed-off stream has sent so far, to send again on the next dial.
+#[derive(Default)]
+struct Kept {
+    bytes: Vec<u8>,
+    /// The client sent its FIN.
+    finished: bool,
+}
+
+/// How a handed-off stream's first second went.
+enum Probation {
+    /// Its connection came back to this pod (reset unread): dial again.
+    CameBack,
+    /// Not come back: what the target sent first (maybe nothing), for the client.
+    Clear(Vec<u8>),
+    /// The client or the target failed otherwise.
+    Failed(io::Error),
+}
+
+/// Sends what `kept` holds (a dial again), then copies the client's bytes to `upstream`,
+/// keeping them, until the target sends its first bytes, [`HANDOFF_PROBATION`] passes, or the
+/// connection fails: `came_back` then says whether it was one that the node sent back here.
+async fn probation(
+    client: &TcpStream,
+    upstream: &TcpStream,
+    kept: &mut Kept,
+    came_back: impl Fn() -> bool,
+) -> Probation {
+    let failed = |error: io::Error| match came_back() {
+        true => Probation::CameBack,
+        false => Probation::Failed(error),
+    };
+    if !kept.bytes.is_empty()
+        && let Err(error) = write_all(upstream, &kept.bytes).await
+    {
+        return failed(error);
+    }
+    if kept.finished {
+        let _ = socket2::SockRef::from(upstream).shutdown(std::net::Shutdown::Write);
+    }
+    let until = tokio::time::sleep(HANDOFF_PROBATION);
+    tokio::pin!(until);
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        tokio::select! {
+            () = &mut until => return Probation::Clear(Vec::new()),
+            readable = upstream.readable() => {
+                if let Err(error) = readable {
+                    return failed(error);
+                }
+                match upstream.try_read(&mut buf) {
+                    Ok(0) if came_back() => return Probation::CameBack,
+                    Ok(read) => return Probation::Clear(buf[..read].to_vec()),
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(error) => return failed(error),
+                }
+            }
+            readable = client.readable(), if !kept.finished && kept.bytes.len() < HANDOFF_KEPT => {
+                if let Err(error) = readable {
+                    return Probation::Failed(error);
+                }
+                match client.try_read(&mut buf) {
+                    Ok(0) => {
+                        kept.finished = true;
+                        let _ = socket2::SockRef::from(upstream).shutdown(std::net::Shutdown::Write);
+                    }
+                    Ok(read) => {
+                        kept.bytes.extend_from_slice(&buf[..read]);
+                        if let Err(error) = write_all(upstream, &buf[..read]).await {
+                            return failed(error);
+                        }
+                    }
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(error) => return Probation::Failed(error),
+                }
+            }
+        }
+    }
 }
 
 /// What a tunnel carries, as far as ending it goes.

@@ -51,6 +51,8 @@ pub struct Upstream {
     pub http2: Arc<Http2Conn>,
     /// Outbound: requests that got no answer go again within this budget (`retry.rs`).
     pub retries: Option<Retries>,
+    /// A hand-off to the pod's Service (`proxy/handoff.rs`): the mark each request gets.
+    pub handoff_mark: Option<hyper::header::HeaderValue>,
 }
 
 impl Upstream {
@@ -89,6 +91,15 @@ impl Upstream {
             http1,
             http2,
             retries,
+            handoff_mark: None,
+        }
+    }
+
+    /// The same, for a hand-off: each request carries `mark`.
+    pub fn handing_off(self, mark: hyper::header::HeaderValue) -> Upstream {
+        Upstream {
+            handoff_mark: Some(mark),
+            ..self
         }
     }
 }

@@ -138,7 +138,8 @@ async fn http1_sessions(
     closing: bool,
 ) -> Option<TcpStream> {
     let mut unparsed = Bytes::new();
-    let lane = ctx.proxy.http.fast_lane;
+    // A hand-off marks each request and reads its answer: hyper's path does.
+    let lane = ctx.proxy.http.fast_lane && ctx.upstream.handoff_mark.is_none();
     loop {
         let (socket, bytes) = match lane {
             true => match lane::serve(stream, unparsed, ctx, listeners_closed, closing).await {

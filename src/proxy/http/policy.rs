@@ -56,13 +56,29 @@ pub(super) fn role(name: &str) -> Role {
         14 if is("content-length") => Role::ContentLength,
         14 if is("http2-settings") => Role::HopByHop,
         16 if is("proxy-connection") => Role::HopByHop,
+        16 if is(HANDOFF_HEADER) => Role::HopByHop,
         17 if is("transfer-encoding") => Role::TransferEncoding,
         _ => Role::Other,
     }
 }
 
 /// The headers of [`Role::HopByHop`], dropped wherever they are.
-pub(super) const DROPPED: [&str; 3] = ["keep-alive", "proxy-connection", "http2-settings"];
+pub(super) const DROPPED: [&str; 4] = [
+    "keep-alive",
+    "proxy-connection",
+    "http2-settings",
+    HANDOFF_HEADER,
+];
+
+/// The mark of a request that a leaving pod handed off to its Service (`proxy/handoff.rs`): the
+/// hand-off adds it, every other hop drops it (the app never sees it), and a leaving pod that
+/// gets a marked request answers [`Synthetic::handed_off_already`] with it instead of handing
+/// it off a second time. One hop at most: two leaving pods never pass a request to and fro.
+pub(crate) const HANDOFF_HEADER: &str = "lameduck-handoff";
+
+/// The value of [`HANDOFF_HEADER`] on the answer of a leaving pod that got a request handed off
+/// already: it never reached an app, and the pod that handed it off draws another endpoint.
+pub(crate) const HANDOFF_REFUSED: &str = "refused";
 
 /// Whether a header of this role is removed on the way through (RFC 9110 section 7.6.1), the
 /// ones a `Connection` names aside.
@@ -250,9 +266,15 @@ impl Unanswered {
 /// again: a rollout may leave half of them gone for seconds, and with 10 draws one request in
 /// 2,000 that needs a new connection failed then (the rollout harness saw it); with 30, one in
 /// two billion.
-pub(super) fn max_retries(unanswered: Unanswered) -> u32 {
+///
+/// A hand-off (`handoff`) goes through the node's Service rules, which may still send it back
+/// to this very pod (a loop, reset unread) or to another leaving one (refused, never sent on):
+/// neither reached an app, and each try draws an endpoint again, so such a request goes again
+/// as often as a refused connect.
+pub(super) fn max_retries(unanswered: Unanswered, handoff: bool) -> u32 {
     match unanswered {
         Unanswered::NotConnected => 30,
+        Unanswered::NotSent | Unanswered::Unread if handoff => 30,
         Unanswered::NotSent | Unanswered::Unread | Unanswered::MayHaveReached => 3,
     }
 }
@@ -366,6 +388,15 @@ impl Synthetic {
                 format!("bad gateway: cannot connect to {target}\n"),
             ),
         }
+    }
+
+    /// A leaving pod's answer to a request another leaving pod handed off to it (503, marked
+    /// with [`HANDOFF_HEADER`]: the pod that handed it off sends it elsewhere).
+    pub(crate) fn handed_off_already() -> Synthetic {
+        Synthetic::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service unavailable: this pod is going away and the request was handed off to it already\n".into(),
+        )
     }
 
     /// No response head within the response timeout.

@@ -84,7 +84,22 @@ fn forward(
         let upgrading = ctx.version == HttpVersion::Http1 && wants_upgrade(&request);
         let client_upgrade = upgrading.then(|| hyper::upgrade::on(&mut request));
         let upgrading_to_websocket = upgrading && is_websocket(&request);
+        let handed_off = request.headers().contains_key(policy::HANDOFF_HEADER);
         strip_hop_by_hop(request.headers_mut(), upgrading, true);
+        if let Some(mark) = &ctx.upstream.handoff_mark {
+            if handed_off {
+                // Another leaving pod handed it here: one hop at most, that pod sends it on.
+                let mut response = error_response(&ctx, Synthetic::handed_off_already(), in_flight);
+                response.headers_mut().insert(
+                    policy::HANDOFF_HEADER,
+                    HeaderValue::from_static(policy::HANDOFF_REFUSED),
+                );
+                return Ok(response);
+            }
+            request
+                .headers_mut()
+                .insert(policy::HANDOFF_HEADER, mark.clone());
+        }
         if ctx.closing() && !upgrading && request.version() != Version::HTTP_2 {
             // The pooled connection to the target closes once this request is done.
             request
@@ -322,6 +337,9 @@ fn send(
                 (None, None) => unreachable!("a request is sent again only whole or rebuilt"),
             };
             let mut failure = match send_once(upstream, version, request).await {
+                Ok((response, _)) if upstream.handoff_mark.is_some() && handed_back(&response) => {
+                    Failure::handed_back()
+                }
                 Err(failure) => failure,
                 sent => return sent,
             };
@@ -343,7 +361,8 @@ fn send(
                 || held
                     .as_ref()
                     .is_some_and(|held| lock(held).whole().is_some());
-            let allowed = retried < policy::max_retries(unanswered)
+            let handoff = upstream.handoff_mark.is_some();
+            let allowed = retried < policy::max_retries(unanswered, handoff)
                 && (unsent.is_some() || (parts.is_some() && (!has_body || body_whole)))
                 && policy::may_retry(unanswered, method.as_str().as_bytes(), has_body, body_whole);
             if !allowed || !retries.withdraw(unanswered, &upstream.name) {
@@ -405,6 +424,16 @@ struct Failure {
 }
 
 impl Failure {
+    /// A hand-off that the Service sent to another leaving pod, which refused it unsent.
+    fn handed_back() -> Failure {
+        Failure {
+            kind: FailureKind::Respond,
+            error: "the Service sent the hand-off to another pod that is going away".into(),
+            unanswered: Some(Unanswered::NotSent),
+            unsent: None,
+        }
+    }
+
     fn not_connected(error: io::Error, request: Option<Box<Request<Payload>>>) -> Failure {
         Failure {
             kind: match error.kind() {
@@ -504,6 +533,16 @@ fn stalled(error: &hyper::Error) -> bool {
         source = cause.source();
     }
     false
+}
+
+/// Whether a hand-off's response is another leaving pod's refusal
+/// ([`Synthetic::handed_off_already`]).
+fn handed_back(response: &Response<Incoming>) -> bool {
+    response.status() == StatusCode::SERVICE_UNAVAILABLE
+        && response
+            .headers()
+            .get(policy::HANDOFF_HEADER)
+            .is_some_and(|value| value == policy::HANDOFF_REFUSED)
 }
 
 /// Whether the request may be sent again if the keep-alive race strikes (the policy's rule;

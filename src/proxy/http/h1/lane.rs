@@ -78,7 +78,7 @@ fn retry(ctx: &ConnCtx, request: &RequestPlan, unanswered: Unanswered, retried: 
     let Some(retries) = &ctx.upstream.retries else {
         return false;
     };
-    let allowed = *retried < policy::max_retries(unanswered)
+    let allowed = *retried < policy::max_retries(unanswered, false)
         && policy::may_retry(unanswered, request.method, false, true)
         && retries.withdraw(unanswered, &ctx.upstream.name);
     *retried += u32::from(allowed);
