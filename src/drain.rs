@@ -98,6 +98,11 @@ impl Watch {
     pub fn is_cancelled(&self) -> bool {
         self.0.is_cancelled()
     }
+
+    /// One that nothing cancels.
+    pub fn never() -> Watch {
+        Watch(CancellationToken::new())
+    }
 }
 
 /// The shutdown state of one direction's listeners and connections.
@@ -390,16 +395,6 @@ impl Side {
     }
 
     /// What a new connection of this side listens to.
-    /// What a late connection that is handed off listens to: the side's tokens but for its
-    /// listeners' close, which it came after (a client that has not sent its first byte yet is
-    /// waited for as on an open listener).
-    pub fn late_conn_tokens(&self) -> ConnTokens {
-        ConnTokens {
-            listeners_closed: Watch(CancellationToken::new()),
-            ..self.conn_tokens()
-        }
-    }
-
     pub fn conn_tokens(&self) -> ConnTokens {
         // The side's own tokens, shared: nothing cancels one connection alone, so a child
         // token each would only cost an allocation and the parent's lock on every open and

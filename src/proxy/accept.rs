@@ -31,7 +31,7 @@ use super::tcp;
 use super::{ProxyContext, ProxyRoute};
 use crate::config::{Protocol, Route, Target};
 use crate::conns::{ConnProtocol, Registration};
-use crate::drain::{ConnTokens, Side};
+use crate::drain::{ConnTokens, Side, Watch};
 use crate::logging::Throttle;
 use crate::net::{self, AcceptErrors, OrigDstRefusal};
 use crate::sync::lock;
@@ -272,10 +272,7 @@ fn spawn_connection(
         Protocol::Auto | Protocol::Http => ConnProtocol::Detecting,
     };
     let registration = proxy.conns.register(route.clone(), peer, protocol, permit);
-    let tokens = match proxy_route.handoff {
-        Some(_) => side.late_conn_tokens(),
-        None => side.conn_tokens(),
-    };
+    let tokens = side.conn_tokens();
     let span = tracing::debug_span!("conn", id = registration.conn().id, direction = %route.direction, %peer, target = %route.target);
     let proxy_route = proxy_route.clone();
     let proxy = proxy.clone();
@@ -353,11 +350,18 @@ async fn serve(
         true => proxy.http.header_read_timeout,
         false => proxy.http.detect_timeout,
     };
+    // A late connection came after its listeners closed: its client is waited for as on an
+    // open listener (a server-speaks-first protocol is opaque TCP at the detection timeout).
+    let never = Watch::never();
+    let listeners_closed = match proxy_route.handoff {
+        Some(_) => &never,
+        None => &tokens.listeners_closed,
+    };
     let detected = tokio::select! {
         // The grace period ran out while the client was silent.
         _ = tokens.terminate.cancelled() => Detected::Closed,
         // Boxed, so that the connection's task is not sized for the detection's state.
-        detected = Box::pin(detect::detect(&stream, http_only, wait, &tokens.listeners_closed)) => detected,
+        detected = Box::pin(detect::detect(&stream, http_only, wait, listeners_closed)) => detected,
     };
     let version = match detected {
         Detected::Http1 => HttpVersion::Http1,

@@ -111,6 +111,17 @@ pub async fn hand_off(
         };
         let (upstream, own_port) = match connected {
             Ok(connected) => connected,
+            // Refused (an endpoint gone), or reset in the handshake (the dial came back here
+            // and was reset before the connect returned): nothing was sent, another draw.
+            Err((_, error))
+                if matches!(
+                    error.kind(),
+                    io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                debug!(%error, "the hand-off's dial failed; dialling again");
+                continue;
+            }
             Err((failure, error)) => {
                 proxy.metrics.connect_failed(conn.direction(), failure);
                 warn!(%target, %error, "handing off to the Service failed; resetting the client connection");
