@@ -213,6 +213,7 @@ fn run_inject(args: InjectArgs) -> i32 {
         image: args.image,
         init_image: args.init_image,
         native_sidecar,
+        services: Vec::new(),
     };
     match inject::inject(&input, &options) {
         Ok(injected) => {

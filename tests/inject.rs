@@ -1008,3 +1008,66 @@ fn network_probes_are_pointed_at_the_admin_port_and_kept_for_the_proxy() {
     );
     assert!(!docs[1].to_string().contains("LAMEDUCK_APP_PROBES"));
 }
+
+/// A Deployment and its Service in one stream: the proxy hands the pod's late connections to
+/// the Service (docs/pod-lifecycle.md, "Hand-off"), each pod port that a TCP port of a Service
+/// selecting the pod names (a named `targetPort` through the container's ports), in the
+/// namespace the manifests name; the proxy takes the value as inject wrote it. A Service of
+/// another namespace or selector, or without selector, hands nothing off; the annotation turns
+/// it off, or names the Services itself; a fixed lame duck cannot hand off, and says so.
+#[test]
+fn services_in_the_stream_give_the_pod_its_handoff() {
+    let deployment = |name: &str, annotations: &str| {
+        format!(
+            "apiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: {name}, namespace: shop}}\nspec:\n  selector: {{matchLabels: {{app: web}}}}\n  template:\n    metadata:\n      labels: {{app: web, tier: front}}\n      annotations: {{{annotations}}}\n    spec:\n      containers:\n      - name: web\n        image: web:1\n        ports: [{{name: http, containerPort: 8080}}, {{containerPort: 9090}}]\n"
+        )
+    };
+    let services = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec:\n  selector: {app: web}\n  ports:\n  - {name: http, port: 80, targetPort: http}\n  - {name: grpc, port: 9090}\n  - {name: dns, port: 53, targetPort: 8053, protocol: UDP}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: staging}\nspec: {selector: {app: web}, ports: [{port: 81, targetPort: 8081}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: api, namespace: shop}\nspec: {selector: {app: api}, ports: [{port: 82, targetPort: 8082}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: manual, namespace: shop}\nspec: {ports: [{port: 83, targetPort: 8083}]}\n";
+    let input = [
+        deployment("web", ""),
+        deployment("quiet", "lameduck.io/handoff: disabled"),
+        deployment("named", "lameduck.io/handoff: \"8080=front.shop.svc:80\""),
+        deployment("fixed", "lameduck.io/lame-duck-period: 5s"),
+        services.to_string(),
+    ]
+    .join("---\n");
+    let (code, out, err) = support::inject(&input, &[]);
+    assert_eq!(code, 0, "{err}");
+    let docs: Vec<&str> = out.split("\n---\n").collect();
+    let handoff = proxy_env(docs[0], "LAMEDUCK_HANDOFF");
+    assert_eq!(
+        handoff.as_deref(),
+        Some("8080=web.shop.svc:80,9090=web.shop.svc:9090")
+    );
+    assert_eq!(proxy_env(docs[1], "LAMEDUCK_HANDOFF"), None);
+    assert_eq!(
+        proxy_env(docs[2], "LAMEDUCK_HANDOFF").as_deref(),
+        Some("8080=front.shop.svc:80")
+    );
+    assert_eq!(proxy_env(docs[3], "LAMEDUCK_HANDOFF"), None);
+    assert!(
+        err.contains("Deployment shop/fixed: no hand-off")
+            && err.contains("a fixed lame duck closes the listeners"),
+        "{err}"
+    );
+    check_with_kubectl(&out, &kubectl::clients()[..1]);
+
+    // The proxy takes it as written.
+    let mut command = support::command();
+    command.env("LAMEDUCK_HANDOFF", handoff.unwrap());
+    let mut proxy =
+        support::Proxy::start_command(&mut command, &["--inbound", "127.0.0.1:0=127.0.0.1:9"]);
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(support::PATIENCE).code(), Some(0));
+
+    // A bad value is refused, naming the object, the annotation and the value.
+    let (code, _, err) =
+        support::inject(&deployment("bad", "lameduck.io/handoff: \"8080=web\""), &[]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("Deployment shop/bad")
+            && err.contains("lameduck.io/handoff")
+            && err.contains("\"8080=web\""),
+        "{err}"
+    );
+}

@@ -34,14 +34,16 @@ use std::time::Duration;
 use serde_norway::{Mapping, Value};
 
 use super::iptables::PROXY_UID;
-use crate::config::{Raw, parse_bool, parse_duration};
+use crate::config::{Handoffs, Raw, parse_bool, parse_duration};
 
 mod probes;
 mod read;
+mod services;
 mod skip;
 mod spec;
 mod write;
 
+pub use services::Service;
 pub use spec::{InjectError, PROXY_NAME};
 use spec::{Object, app_containers, container_name, has_container, map, sequence, yaml};
 
@@ -63,7 +65,8 @@ pub const ANNOTATION_SKIP_OUTBOUND_CIDRS: &str = "lameduck.io/skip-outbound-cidr
 pub const ANNOTATION_LINKERD_SKIP_INBOUND_PORTS: &str = "config.linkerd.io/skip-inbound-ports";
 pub const ANNOTATION_LINKERD_SKIP_OUTBOUND_PORTS: &str = "config.linkerd.io/skip-outbound-ports";
 pub const ANNOTATION_REWRITE_PROBES: &str = "lameduck.io/rewrite-probes";
-const KNOWN: [&str; 15] = [
+pub const ANNOTATION_HANDOFF: &str = "lameduck.io/handoff";
+const KNOWN: [&str; 16] = [
     ANNOTATION_INJECT,
     ANNOTATION_GRACE,
     ANNOTATION_CLOSE_SPREAD,
@@ -79,6 +82,7 @@ const KNOWN: [&str; 15] = [
     ANNOTATION_SKIP_OUTBOUND_PORTS,
     ANNOTATION_SKIP_OUTBOUND_CIDRS,
     ANNOTATION_REWRITE_PROBES,
+    ANNOTATION_HANDOFF,
 ];
 
 /// Seconds between the proxy's grace period and the pod's, for the proxy to exit in.
@@ -118,6 +122,9 @@ pub struct InjectOptions {
     pub image: String,
     pub init_image: String,
     pub native_sidecar: bool,
+    /// The Services that may select the pods injected: a pod's late connections are handed
+    /// off to them (`services.rs`). `inject` adds those of its own stream.
+    pub services: Vec<Service>,
 }
 
 /// The injected YAML, and what the operator should know about it (written to stderr).
@@ -136,9 +143,13 @@ pub fn inject(input: &str, options: &InjectOptions) -> Result<Injected, InjectEr
     let mut injected = Injected::default();
     let stream =
         read::stream(input).map_err(|error| InjectError(format!("invalid YAML: {error}")))?;
+    let mut options = options.clone();
+    options.services.extend(services::collect(
+        stream.documents.iter().map(|document| &document.value),
+    ));
     for (index, document) in stream.documents.iter().enumerate() {
         let mut value = document.value.clone();
-        inject_document(&mut value, options, &mut injected.notes)?;
+        inject_document(&mut value, &options, &mut injected.notes)?;
         let source = &stream.text[document.source.clone()];
         let text = if value == document.value {
             source.to_string()
@@ -283,6 +294,17 @@ struct Settings {
     intercept: Option<Intercept>,
     /// The app containers' network probes go to the proxy's admin port (`probes.rs`).
     rewrite_probes: bool,
+    handoff: Handoff,
+}
+
+/// Where the pod's late connections go (docs/pod-lifecycle.md, "Hand-off").
+enum Handoff {
+    /// To the Services that select the pod (`services.rs`).
+    Discovered,
+    /// As the annotation says (`PORT=HOST:PORT,...`).
+    Named(String),
+    /// Nowhere: refused at once.
+    Disabled,
 }
 
 /// The lame duck a pod template asks for (docs/pod-lifecycle.md).
@@ -350,6 +372,7 @@ fn inject_template(
         notes.push(object.note(format!("not injected: {why}")));
         return Ok(());
     }
+    let template_labels = labels(template);
     let spec = template
         .get_mut("spec")
         .expect("checked above to be a mapping");
@@ -384,7 +407,14 @@ fn inject_template(
         true => probes::rewrite(spec, object, ADMIN_PORT, notes),
         false => None,
     };
-    let proxy = proxy_container(&settings, endpoint, app_probes.as_deref(), options);
+    let handoff = handoff(template_labels, spec, &settings, object, options, notes);
+    let proxy = proxy_container(
+        &settings,
+        endpoint,
+        app_probes.as_deref(),
+        handoff.as_deref(),
+        options,
+    );
     hook_app_containers(spec, object, !settings.native, notes);
     if settings.native {
         sequence(spec, "initContainers").insert(0, proxy);
@@ -408,6 +438,91 @@ fn inject_template(
         }
     }
     Ok(())
+}
+
+/// The pod template's labels (string values: kubectl refuses others).
+fn labels(template: &Value) -> Vec<(String, String)> {
+    template
+        .get("metadata")
+        .and_then(|metadata| metadata.get("labels"))
+        .and_then(Value::as_mapping)
+        .map(|labels| {
+            labels
+                .iter()
+                .filter_map(|(key, value)| {
+                    Some((key.as_str()?.to_string(), value.as_str()?.to_string()))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The pod's hand-offs for `LAMEDUCK_HANDOFF`, if any: as the annotation names them, or from
+/// the Services that select the pod. A hand-off needs the adaptive lame duck (its listeners
+/// stay for late connections); a fixed one closes them, and the hand-off is noted unused.
+fn handoff(
+    labels: Vec<(String, String)>,
+    spec: &Value,
+    settings: &Settings,
+    object: &Object,
+    options: &InjectOptions,
+    notes: &mut Vec<String>,
+) -> Option<String> {
+    let handoff = match &settings.handoff {
+        Handoff::Disabled => return None,
+        Handoff::Named(handoffs) => handoffs.clone(),
+        Handoff::Discovered => {
+            let named_port = |name: &str| named_port(spec, settings, name);
+            let (found, unused) =
+                services::handoffs(&options.services, object.namespace(), &labels, named_port);
+            notes.extend(unused.into_iter().map(|note| object.note(note)));
+            if found.is_empty() {
+                return None;
+            }
+            found
+                .iter()
+                .map(|(port, service)| format!("{port}={service}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        }
+    };
+    if let Some(LameDuck::Fixed(_)) = settings.lame_duck {
+        notes.push(object.note(format!(
+            "no hand-off ({handoff}): a fixed lame duck closes the listeners, so late connections are refused by the closed port; the adaptive one (the default) keeps them"
+        )));
+        return None;
+    }
+    Some(handoff)
+}
+
+/// The pod port a Service's named `targetPort` means: an app container's port of that name,
+/// or in the explicit mode one of the proxy's inbound ports (`lameduck-in`, `lameduck-in-2`...).
+fn named_port(spec: &Value, settings: &Settings, name: &str) -> Option<u16> {
+    let containers = spec
+        .get("containers")
+        .and_then(Value::as_sequence)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let declared = containers
+        .iter()
+        .filter_map(|container| container.get("ports").and_then(Value::as_sequence))
+        .flatten()
+        .find(|port| port.get("name").and_then(Value::as_str) == Some(name))
+        .and_then(|port| port.get("containerPort"))
+        .and_then(Value::as_u64)
+        .and_then(|number| u16::try_from(number).ok());
+    if declared.is_some() || settings.intercept.is_some() {
+        return declared;
+    }
+    let index = match name {
+        "lameduck-in" => 0,
+        _ => name
+            .strip_prefix("lameduck-in-")?
+            .parse::<u16>()
+            .ok()?
+            .checked_sub(1)?,
+    };
+    Some(FIRST_INBOUND_PORT + index)
 }
 
 /// The init container that installs the pod's NAT rules (`lameduck iptables`), before
@@ -657,7 +772,23 @@ fn settings<'a>(
         Some(value) => Some(within_grace(ANNOTATION_CLOSE_SPREAD, value)?),
         None => None,
     };
+    let handoff = match get(ANNOTATION_HANDOFF) {
+        None | Some("enabled") => Handoff::Discovered,
+        Some("disabled") => Handoff::Disabled,
+        Some(value) => match Handoffs::parse(value) {
+            Ok(handoffs) if !handoffs.is_empty() => Handoff::Named(value.trim().to_string()),
+            Ok(_) => {
+                return Err(object.annotation_error(
+                    ANNOTATION_HANDOFF,
+                    value,
+                    "expected enabled, disabled or PORT=HOST:PORT,...",
+                ));
+            }
+            Err(reason) => return Err(object.annotation_error(ANNOTATION_HANDOFF, value, reason)),
+        },
+    };
     Ok(Settings {
+        handoff,
         rewrite_probes: enabled(ANNOTATION_REWRITE_PROBES)?.unwrap_or(true),
         grace,
         raise_pod_grace_to,
@@ -742,6 +873,7 @@ fn proxy_container(
     settings: &Settings,
     shutdown_endpoint: Option<bool>,
     app_probes: Option<&str>,
+    handoff: Option<&str>,
     options: &InjectOptions,
 ) -> Value {
     let mut env = vec![env_var(
@@ -785,6 +917,9 @@ fn proxy_container(
         env.push(yaml(
             "{name: LAMEDUCK_POD_IP, valueFrom: {fieldRef: {fieldPath: status.podIP}}}",
         ));
+    }
+    if let Some(handoff) = handoff {
+        env.push(env_var("LAMEDUCK_HANDOFF", handoff));
     }
     if let Some(enabled) = shutdown_endpoint {
         env.push(env_var(

@@ -166,6 +166,7 @@ async fn serve(args: WebhookArgs, certs: Arc<tls::Reloading>) -> i32 {
                 image: args.image,
                 init_image: args.init_image,
                 native_sidecar: !args.legacy_sidecar,
+                services: Vec::new(),
             },
             deny_invalid: args.deny_invalid,
             own_namespace: args.namespace,

@@ -25,6 +25,8 @@ impl std::error::Error for InjectError {}
 pub(super) struct Object {
     kind: String,
     namespace: String,
+    /// As the document names it, if it does.
+    named_namespace: Option<String>,
     name: String,
 }
 
@@ -40,10 +42,17 @@ impl Object {
         Object {
             kind: kind.to_string(),
             namespace: field("namespace").unwrap_or_else(|| "default".into()),
+            named_namespace: field("namespace"),
             name: field("name")
                 .or_else(|| field("generateName"))
                 .unwrap_or_else(|| "<unnamed>".into()),
         }
+    }
+
+    /// The namespace the document names, if any (kubectl's `-n` or the context's decides
+    /// otherwise).
+    pub(super) fn namespace(&self) -> Option<&str> {
+        self.named_namespace.as_deref()
     }
 
     pub(super) fn error(&self, message: impl fmt::Display) -> InjectError {
