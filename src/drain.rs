@@ -273,9 +273,12 @@ impl Side {
         lock(&self.late).handed_off += 1;
     }
 
-    /// One of the hand-off's own connections came back here (not a late connection).
-    pub fn came_back(&self) {
-        lock(&self.late).loops += 1;
+    /// One of the hand-off's own connections came back here (not a late connection); how many
+    /// so far.
+    pub fn came_back(&self) -> u64 {
+        let mut late = lock(&self.late);
+        late.loops += 1;
+        late.loops
     }
 
     /// Late connections handed off so far, and the hand-off's connections that came back.

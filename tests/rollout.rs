@@ -76,7 +76,7 @@ spec:
   template:
     metadata:
       labels: {app: shop}
-      annotations: {lameduck.io/shutdown-grace-period: 20s ANNOTATIONS}
+      annotations: {lameduck.io/shutdown-grace-period: GRACE ANNOTATIONS}
     spec:
       containers:
         - name: app
@@ -95,7 +95,20 @@ spec:
             tcpSocket: {port: 8081}
             periodSeconds: 1
             timeoutSeconds: 5
+TCP_APP";
+
+/// The opaque TCP app (a line echo) behind the Service's third port, in the profiles with TCP
+/// clients.
+const TCP_CONTAINER: &str = "        - name: app-tcp
+          image: testapp:echo
+          ports:
+            - containerPort: 8082
+          readinessProbe:
+            tcpSocket: {port: 8082}
+            periodSeconds: 1
+            timeoutSeconds: 5
 ";
+const TCP_APP_PORT: u16 = 8082;
 
 /// How much the clients send.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -137,6 +150,10 @@ struct Profile {
     meshed: bool,
     /// Annotations of the pod template besides the grace period (`, a: b, …`).
     annotations: &'static str,
+    /// The proxy's grace period, by annotation.
+    grace: &'static str,
+    /// An opaque TCP app, and a client per client node that opens a connection per line.
+    tcp: bool,
     caller: Caller,
     load: Load,
     /// The seed of the forgetting times.
@@ -270,9 +287,12 @@ impl Cluster {
         }
         for copy in &rules {
             let jumps = format!(
-                "*nat\n:LAMEDUCK-SVC - [0:0]\n:LAMEDUCK-SVC2 - [0:0]\n\
+                "*nat\n:LAMEDUCK-SVC - [0:0]\n:LAMEDUCK-SVC2 - [0:0]\n:LAMEDUCK-SVC3 - [0:0]\n\
+                 :LAMEDUCK-HAIRPIN - [0:0]\n\
                  -A {hook} -d {ip}/32 -p tcp --dport 80 -j LAMEDUCK-SVC\n\
-                 -A {hook} -d {ip}/32 -p tcp --dport 81 -j LAMEDUCK-SVC2\nCOMMIT\n",
+                 -A {hook} -d {ip}/32 -p tcp --dport 81 -j LAMEDUCK-SVC2\n\
+                 -A {hook} -d {ip}/32 -p tcp --dport 82 -j LAMEDUCK-SVC3\n\
+                 -A POSTROUTING -j LAMEDUCK-HAIRPIN\nCOMMIT\n",
                 hook = copy.hook,
                 ip = service.ip()
             );
@@ -298,7 +318,11 @@ impl Cluster {
     /// kube-proxy's rules of one copy for its endpoints of the moment, replaced in one restore.
     fn sync(copy: &Rules, endpoints: &[Ipv4Addr]) {
         let mut rules = String::from("*nat\n");
-        for (chain, port) in [("LAMEDUCK-SVC", APP_PORT), ("LAMEDUCK-SVC2", H2_APP_PORT)] {
+        for (chain, port) in [
+            ("LAMEDUCK-SVC", APP_PORT),
+            ("LAMEDUCK-SVC2", H2_APP_PORT),
+            ("LAMEDUCK-SVC3", TCP_APP_PORT),
+        ] {
             rules.push_str(&format!(":{chain} - [0:0]\n-F {chain}\n"));
             for (index, ip) in endpoints.iter().enumerate() {
                 let left = endpoints.len() - index;
@@ -314,6 +338,15 @@ impl Cluster {
                     "-A {chain} -p tcp {chance}-j DNAT --to-destination {ip}:{port}\n"
                 ));
             }
+        }
+        // A pod's connection that the rules send back to that very pod leaves with the
+        // node's address on the bridge (kube-proxy's hairpin masquerade): a pod drops a packet
+        // from its own address.
+        rules.push_str(":LAMEDUCK-HAIRPIN - [0:0]\n-F LAMEDUCK-HAIRPIN\n");
+        for ip in endpoints {
+            rules.push_str(&format!(
+                "-A LAMEDUCK-HAIRPIN -s {ip}/32 -d {ip}/32 -j MASQUERADE\n"
+            ));
         }
         rules.push_str("COMMIT\n");
         restore(&copy.netns, &rules).expect("kube-proxy's rules");
@@ -342,7 +375,9 @@ impl Cluster {
     fn start_pod(&self, index: usize, profile: Profile, proxy_env: &[(&str, &str)]) -> RunningPod {
         let input = DEPLOYMENT
             .replace("testapp:MODE", &format!("testapp:{}", profile.app))
-            .replace(" ANNOTATIONS", profile.annotations);
+            .replace("GRACE", profile.grace)
+            .replace(" ANNOTATIONS", profile.annotations)
+            .replace("TCP_APP", if profile.tcp { TCP_CONTAINER } else { "" });
         let document = |yaml: &str| {
             let value =
                 serde_norway::Value::deserialize(serde_norway::Deserializer::from_str(yaml))
@@ -377,6 +412,20 @@ impl Cluster {
             "master",
             "br0",
         ]);
+        // The kubelet's hairpin mode (hairpin-veth): a pod's connection that the node's rules
+        // send back to that very pod goes back out the port it came in on.
+        sh(&[
+            "ip",
+            "-n",
+            self.node.name(),
+            "link",
+            "set",
+            &node_end,
+            "type",
+            "bridge_slave",
+            "hairpin",
+            "on",
+        ]);
         sh(&[
             "ip",
             "-n",
@@ -399,10 +448,12 @@ impl Cluster {
         pod.start();
         let target = SocketAddr::from((ip, APP_PORT));
         let h2_target = SocketAddr::from((ip, H2_APP_PORT));
+        let tcp_target = profile.tcp.then_some(SocketAddr::from((ip, TCP_APP_PORT)));
         self.node.run(move || {
             support::wait_until("the pod serves", support::PATIENCE, || {
                 status_of(target, "/work?id=0") == Some(200)
                     && status_of(h2_target, "/work?id=0") == Some(200)
+                    && tcp_target.is_none_or(|tcp| echo(tcp, 0).is_ok())
             });
         });
         let probes = Probes::start(&pod, &self.node, ip);
@@ -509,6 +560,52 @@ fn client(
     }
 }
 
+/// One line through an opaque TCP stream to `service`, on a connection of its own: an error
+/// unless the same line comes back.
+fn echo(service: SocketAddr, id: u64) -> Result<(), String> {
+    use std::io::{BufRead, BufReader};
+    let stream = TcpStream::connect_timeout(&service, Duration::from_secs(2))
+        .map_err(|error| format!("tcp connect: {error}"))?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let line = format!("tcp {id}\n");
+    (&stream)
+        .write_all(line.as_bytes())
+        .map_err(|error| format!("tcp id {id}: {error}"))?;
+    let mut back = String::new();
+    BufReader::new(&stream)
+        .read_line(&mut back)
+        .map_err(|error| format!("tcp id {id}: {error}"))?;
+    match back == line {
+        true => Ok(()),
+        false => Err(format!("tcp id {id}: echoed {back:?}")),
+    }
+}
+
+/// An opaque TCP client of the Service: a line on a new connection, one every `pace`.
+fn tcp_client(
+    service: SocketAddr,
+    pace: Duration,
+    stop: &AtomicBool,
+    tally: &Mutex<Tally>,
+    ids: &AtomicU64,
+) {
+    while !stop.load(Ordering::SeqCst) {
+        thread::sleep(pace);
+        let id = ids.fetch_add(1, Ordering::SeqCst);
+        let echoed = echo(service, id);
+        let mut tally = tally.lock().unwrap();
+        match echoed {
+            Ok(()) => {
+                tally.ok += 1;
+                tally.ok_tcp += 1;
+            }
+            Err(why) => tally.failed.push(why),
+        }
+    }
+}
+
 /// An HTTP/2 client of the Service, as gRPC's or Go's: one connection at a time, requests on
 /// it until it ends; a request the connection's end (a GOAWAY above it, a reset) took is sent
 /// again on a new connection, which is right only if the app never saw it (checked against
@@ -591,9 +688,12 @@ struct Gone {
     last_forgot: Duration,
     /// The lame duck, as its proxy logged it.
     lame_duck: Option<Duration>,
-    /// Late connections its proxy refused, and how long it lingered for them.
+    /// Late connections its proxy saw (refused or handed off), how long it lingered for them,
+    /// how many it handed off and how many of its hand-offs came back to it.
     late: u64,
     lingered: Duration,
+    handed_off: u64,
+    loops: u64,
     /// The kubelet's probes of the pod that passed and failed, over its whole life.
     probes: (u64, u64),
     /// Its proxy's last word on the lame duck: why it was still open, or why it ended.
@@ -670,6 +770,13 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
             clients.push(
                 home.spawn(move || client(service, keep_alive, post, pace, &stop, &tally, &ids)),
             );
+        }
+    }
+    if profile.tcp {
+        for home in &homes {
+            let (stop, tally, ids) = (stop.clone(), tally.clone(), ids.clone());
+            let service = SocketAddr::new(cluster.service.ip(), 82);
+            clients.push(home.spawn(move || tcp_client(service, pace, &stop, &tally, &ids)));
         }
     }
     if profile.meshed && caller.is_none() && profile.load == Load::Busy {
@@ -751,6 +858,12 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
             let lingered = late_line
                 .and_then(|line| logged_number(line, "lingered_ms"))
                 .map_or(Duration::ZERO, Duration::from_millis);
+            let handed_off = late_line
+                .and_then(|line| logged_number(line, "handed_off"))
+                .unwrap_or(0);
+            let loops = late_line
+                .and_then(|line| logged_number(line, "handoff_loops"))
+                .unwrap_or(0);
             assert!(
                 deletion.killed.is_empty() || !profile.meshed,
                 "{}",
@@ -770,6 +883,8 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
                 lame_duck,
                 late,
                 lingered,
+                handed_off,
+                loops,
                 probes: probes.counts(),
             }
         }));
@@ -808,18 +923,20 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
         .iter()
         .map(|gone| {
             format!(
-                "lame duck {} s, last copy forgot it at {:.1} s, {} late, lingered {:.1} s",
+                "lame duck {} s, last copy forgot it at {:.1} s, {} late ({} handed off, {} loops), lingered {:.1} s",
                 gone.lame_duck
                     .map_or("-".into(), |lasted| format!("{:.1}", lasted.as_secs_f64())),
                 gone.last_forgot.as_secs_f64(),
                 gone.late,
+                gone.handed_off,
+                gone.loops,
                 gone.lingered.as_secs_f64(),
             )
         })
         .collect();
     eprintln!(
-        "{tag}: P = {:?} ± 50 %, {:?} load, app {}{}{}: {} answered ({} over HTTP/2), {} retried, \
-         {} failed; rollout {:.1} s; {}",
+        "{tag}: P = {:?} ± 50 %, {:?} load, app {}{}{}: {} answered ({} over HTTP/2, {} over TCP), \
+         {} retried, {} failed; rollout {:.1} s; {}",
         profile.propagation,
         profile.load,
         profile.app,
@@ -831,6 +948,7 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
         profile.annotations,
         tally.ok,
         tally.ok_h2,
+        tally.ok_tcp,
         tally.retried,
         tally.failed.len(),
         took.as_secs_f64(),
@@ -909,6 +1027,8 @@ fn profile(propagation_ms: u64, app: &'static str, seed: u64) -> Profile {
         without_deletion: false,
         meshed: true,
         annotations: "",
+        grace: "20s",
+        tcp: false,
         caller: Caller::Direct,
         load: Load::Busy,
         seed,
@@ -1151,4 +1271,88 @@ fn without_retries_a_meshed_caller_sees_its_callee_roll() {
         "no request failed without retries: the harness cannot see what they save"
     );
     assert_eq!(run.retried, Some((0.0, 0.0)));
+}
+
+/// The pods of a hand-off profile: nodes that forget a deleted pod after 30 s ± 50 % (up to
+/// 45 s, as a slow cloud load balancer), a lame duck of at most 2 s, an opaque TCP app beside
+/// the HTTP ones, a grace period of 60 s; with `handoff`, the proxy hands late connections to
+/// the Service (named by annotation: the ClusterIP, as no cluster DNS runs here; inject finds
+/// the Service in its stream itself, tests/inject.rs).
+fn handoff_profile(k: u8, seed: u64, handoff: bool) -> Profile {
+    let annotations = match handoff {
+        true => format!(
+            ", lameduck.io/lame-duck-max: 2s, lameduck.io/handoff: \"{APP_PORT}=10.96.{k}.10:80,{H2_APP_PORT}=10.96.{k}.10:81,{TCP_APP_PORT}=10.96.{k}.10:82\""
+        ),
+        false => ", lameduck.io/lame-duck-max: 2s".to_string(),
+    };
+    Profile {
+        annotations: Box::leak(annotations.into_boxed_str()),
+        grace: "60s",
+        tcp: true,
+        ..profile(30_000, "graceful", seed)
+    }
+}
+
+/// Hand-off: with a lame duck of at most 2 s while nodes keep sending for up to 45 s, no request
+/// and no TCP stream is lost (HTTP/1.1 keep-alive and new connections, HTTP/2, opaque TCP):
+/// every late connection went to another pod of the Service, none was refused; each pod's
+/// proxy lingered while they came; and the node's own copy of the rules, which still sends the
+/// hand-offs back to the pod they left (at least one dial in six while it keeps the pod, for at
+/// least 13 s of TCP hand-offs at some 20 a second: e^-40 for none), was caught and dialled
+/// again.
+#[test]
+fn with_handoff_a_short_lame_duck_loses_nothing_when_nodes_forget_in_thirty_seconds() {
+    let k = 16;
+    let Some(run) = rollout("rhof", k, handoff_profile(k, 15, true)) else {
+        return;
+    };
+    let tally = &run.tally;
+    assert!(
+        tally.failed.is_empty(),
+        "rhof: {} failed (the first 10: {:?})",
+        tally.failed.len(),
+        &tally.failed[..tally.failed.len().min(10)]
+    );
+    assert!(
+        tally.ok > 1000 && tally.ok_h2 > 100 && tally.ok_tcp > 500,
+        "rhof: only {} answered, {} over HTTP/2, {} over TCP",
+        tally.ok,
+        tally.ok_h2,
+        tally.ok_tcp
+    );
+    for gone in &run.gone {
+        let lame_duck = gone.lame_duck.expect("a lame duck");
+        assert!(
+            lame_duck <= Duration::from_millis(2_500),
+            "rhof: the lame duck lasted {lame_duck:?}: {gone:?}"
+        );
+        assert!(
+            gone.handed_off > 0 && gone.handed_off == gone.late,
+            "rhof: every late connection is handed off: {gone:?}"
+        );
+    }
+    let loops: u64 = run.gone.iter().map(|gone| gone.loops).sum();
+    assert!(loops > 0, "rhof: no hand-off came back: {:?}", run.gone);
+}
+
+/// The harness sees what the hand-off saves: the same rollout without it refuses late
+/// connections, and clients fail. Not by luck: each pod's lame duck ends within 2 s while
+/// every copy of the rules keeps it for at least 15 s, and each client node opens some 50
+/// connections a second, one in four or so to that pod: hundreds refused per pod.
+#[test]
+fn without_handoff_the_same_rollout_refuses_late_connections() {
+    let k = 17;
+    let Some(run) = rollout("rhon", k, handoff_profile(k, 16, false)) else {
+        return;
+    };
+    assert!(
+        !run.tally.failed.is_empty(),
+        "rhon: no request failed without the hand-off"
+    );
+    for gone in &run.gone {
+        assert!(
+            gone.late > 0 && gone.handed_off == 0,
+            "rhon: late connections are refused: {gone:?}"
+        );
+    }
 }

@@ -146,9 +146,16 @@ async fn refuse_late(
                     // The hand-off's own connection, sent back by the node's Service rules:
                     // reset unread, its sender dials again.
                     net::reset(&stream);
-                    side.came_back();
+                    let first = side.came_back() == 1;
                     proxy.metrics.handoff_loop();
-                    debug!(%peer, "a hand-off came back to this pod; reset, to be dialled again");
+                    match first {
+                        true => {
+                            info!(%peer, "a hand-off came back to this pod (the node's Service rules still send here): reset unread, and dialled again; later ones are counted")
+                        }
+                        false => {
+                            debug!(%peer, "a hand-off came back to this pod; reset, to be dialled again")
+                        }
+                    }
                     continue;
                 }
                 let handed = handoff.and_then(|handoff| handoff.route_for(&stream, &proxy_route));

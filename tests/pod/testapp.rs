@@ -16,8 +16,9 @@ use crate::support::BIN;
 use crate::support::backend::{Backend, read_response};
 
 /// The images: `lameduck:<version>` and `lameduck-init:<version>` (the binary), and
-/// `testapp:graceful`, `testapp:immediate` (app.py) and `testapp:wait` (an init container that
-/// calls `$UPSTREAM` once with `id=$ID` and fails unless it answers).
+/// `testapp:graceful`, `testapp:immediate` (app.py), `testapp:echo` (a line echo on port 8082,
+/// opaque TCP) and `testapp:wait` (an init container that calls `$UPSTREAM` once with
+/// `id=$ID` and fails unless it answers).
 pub fn images() -> HashMap<String, Image> {
     let app = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/pod/app.py")
@@ -44,6 +45,21 @@ pub fn images() -> HashMap<String, Image> {
         "testapp:wait".into(),
         Image {
             entrypoint: vec!["python3".into(), "-c".into(), wait.into()],
+            files: Vec::new(),
+        },
+    );
+    // An opaque TCP app: echoes each line; on SIGTERM it stops accepting, lets the open
+    // streams finish and exits.
+    let echo = "import signal, socket, socketserver, sys, threading\n\
+                class Echo(socketserver.StreamRequestHandler):\n    def handle(self):\n        for line in self.rfile:\n            self.wfile.write(line)\n\
+                class Server(socketserver.ThreadingTCPServer):\n    allow_reuse_address = True\n    daemon_threads = False\n    block_on_close = True\n\
+                server = Server(('0.0.0.0', 8082), Echo)\n\
+                signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())\n\
+                server.serve_forever()\nserver.server_close()\n";
+    images.insert(
+        "testapp:echo".into(),
+        Image {
+            entrypoint: vec!["python3".into(), "-c".into(), echo.into()],
             files: Vec::new(),
         },
     );
@@ -138,6 +154,8 @@ pub struct Tally {
     pub new_connections_after_deletion: usize,
     /// Of the answered, answered to HTTP/2 clients.
     pub ok_h2: usize,
+    /// Of the answered, echoed over opaque TCP.
+    pub ok_tcp: usize,
     pub retried: usize,
     pub failed: Vec<String>,
     /// Ids of the requests whose client got a response.
