@@ -196,6 +196,9 @@ fn main() {
     if plan.wants("lifecycle") {
         samples.extend(lifecycle(&plan, &target, &out_dir));
     }
+    if plan.wants(HANDOFF) {
+        samples.extend(handoff(&plan, &target, &out_dir));
+    }
     // Memory is measured first on each fresh process, before any load has grown its pools.
     // Then each repetition goes round every subject of the group, all of them running (idle
     // while another is measured), so that a noisy minute on this shared machine falls on every
@@ -1099,6 +1102,79 @@ fn close_floor(n: usize, target: Option<SocketAddr>) -> Duration {
 
 /// Starts lameduck with an HTTP route and a TCP route to the hold listener; returns the child,
 /// its admin address, the inbound addresses and the time it took to answer `/ready` 200.
+const HANDOFF: &str = "hand-off, a new connection per request";
+
+/// What a late connection's hand-off costs (docs/pod-lifecycle.md, "Hand-off"): a pod's proxy
+/// quiesced by its preStop hook, its lame duck over, hands each connection that still arrives
+/// to the Service, here the other pod's proxy; against the same requests sent to that proxy
+/// directly. wrk, one connection at a time, each request on a new connection (as late clients
+/// come); both proxies on the proxy CPU.
+fn handoff(plan: &Plan, target: &Target, dir: &Path) -> Vec<Sample> {
+    let metric = |name: &'static str, unit: &'static str, higher: bool| {
+        sample(HANDOFF, Subject::Lameduck, name, unit, higher)
+    };
+    let mut handed = [
+        metric("requests/s handed off, one at a time", "req/s", true),
+        metric("latency p50 handed off", "µs", false),
+        metric("latency p99 handed off", "µs", false),
+    ];
+    let mut direct = [
+        metric(
+            "requests/s to the other pod directly, one at a time",
+            "req/s",
+            true,
+        ),
+        metric("latency p50 to the other pod directly", "µs", false),
+        metric("latency p99 to the other pod directly", "µs", false),
+    ];
+    let (mut other, _, [other_http, _], _) = start_lameduck(target, &[]);
+    let socket = dir.join("handoff.sock");
+    let _ = std::fs::remove_file(&socket);
+    let leaving_http = free_port();
+    let handoff = format!("{}=127.0.0.1:{}", leaving_http.port(), other_http.port());
+    let mut command = Command::new(BIN);
+    command
+        .args(["--inbound", &format!("{leaving_http}={}", target.http)])
+        .args(["--handoff", &handoff])
+        .args(["--drain-socket", &socket.display().to_string()])
+        .args(["--lame-duck-max=1s", "--lame-duck-min=0s"])
+        .args(["--shutdown-grace-period=600s", "--log", "warn"]);
+    pin(&mut command, PROXY_CPU);
+    let mut leaving = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !socket.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no drain socket"
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+    let hook = Command::new(BIN)
+        .args(["prestop", "--socket", &socket.display().to_string()])
+        .output()
+        .unwrap();
+    assert!(hook.status.success(), "the preStop hook: {hook:?}");
+    for _ in 0..plan.reps {
+        for (addr, into) in [(leaving_http, &mut handed), (other_http, &mut direct)] {
+            // One connection at a time: the latency a late request pays, not a queue's.
+            let run = wrk(plan, addr, &["-c1", "-H", "Connection: close"]);
+            into[0].values.push(run.requests as f64 / run.seconds);
+            into[1].values.push(run.p50);
+            into[2].values.push(run.p99);
+        }
+    }
+    for child in [&mut leaving, &mut other] {
+        signal(child, libc::SIGKILL);
+        let _ = child.wait();
+    }
+    handed.into_iter().chain(direct).collect()
+}
+
 fn start_lameduck(
     target: &Target,
     extra: &[&str],

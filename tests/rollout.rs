@@ -698,6 +698,17 @@ struct Gone {
     probes: (u64, u64),
     /// Its proxy's last word on the lame duck: why it was still open, or why it ended.
     why: String,
+    /// Its proxy's log from the lame duck's end on, for a failure's message.
+    tail: Tail,
+}
+
+/// Some lines of a log, shown whole only where a message asks for them.
+struct Tail(String);
+
+impl std::fmt::Debug for Tail {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} lines", self.0.lines().count())
+    }
 }
 
 /// The first number after `field=` in a log line.
@@ -877,8 +888,15 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
                 .nth_back(1)
                 .unwrap_or_default()
                 .to_string();
+            let tail = log
+                .lines()
+                .filter(|line| line.contains("[lameduck-proxy]") || line.contains("kubelet"))
+                .skip_while(|line| !line.contains("lame duck over"))
+                .collect::<Vec<_>>()
+                .join("\n");
             Gone {
                 why,
+                tail: Tail(tail),
                 last_forgot,
                 lame_duck,
                 late,
@@ -1328,7 +1346,8 @@ fn with_handoff_a_short_lame_duck_loses_nothing_when_nodes_forget_in_thirty_seco
         );
         assert!(
             gone.handed_off > 0 && gone.handed_off == gone.late,
-            "rhof: every late connection is handed off: {gone:?}"
+            "rhof: every late connection is handed off: {gone:?}\n{}",
+            gone.tail.0
         );
     }
     let loops: u64 = run.gone.iter().map(|gone| gone.loops).sum();

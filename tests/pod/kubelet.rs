@@ -59,6 +59,8 @@ pub const HOST_IP: &str = "10.79.255.254";
 pub struct Timeline {
     born: Instant,
     events: Arc<Mutex<Vec<(Duration, String)>>>,
+    /// Output streams still being read, and the signal that one reached its end.
+    reading: Arc<(Mutex<usize>, std::sync::Condvar)>,
 }
 
 impl Timeline {
@@ -66,7 +68,17 @@ impl Timeline {
         Timeline {
             born: Instant::now(),
             events: Arc::default(),
+            reading: Arc::default(),
         }
+    }
+
+    /// Waits (at most `limit`) until every output stream has been read to its end: a
+    /// container's last lines are in the timeline once it has exited, not only once its
+    /// reader thread next runs.
+    pub fn settle(&self, limit: Duration) {
+        let (open, ended) = &*self.reading;
+        let open = open.lock().unwrap();
+        let _ = ended.wait_timeout_while(open, limit, |open| *open > 0);
     }
 
     pub fn note(&self, what: impl Into<String>) -> Duration {
@@ -97,11 +109,15 @@ impl Timeline {
 
     fn collect(&self, who: String, stream: impl Read + Send + 'static) {
         let timeline = self.clone();
+        *self.reading.0.lock().unwrap() += 1;
         thread::spawn(move || {
             for line in BufReader::new(stream).lines() {
                 let Ok(line) = line else { break };
                 timeline.note(format!("[{who}] {line}"));
             }
+            let (open, ended) = &*timeline.reading;
+            *open.lock().unwrap() -= 1;
+            ended.notify_all();
         });
     }
 }
@@ -544,6 +560,8 @@ impl Pod {
             deletion.killed.extend(killed);
         }
         deletion.took = started.elapsed();
+        // Every container has exited: its last lines are on their way to the timeline.
+        self.timeline.settle(Duration::from_secs(5));
         deletion
     }
 

@@ -100,8 +100,10 @@ fn forward(
                 .headers_mut()
                 .insert(policy::HANDOFF_HEADER, mark.clone());
         }
-        if ctx.closing() && !upgrading && request.version() != Version::HTTP_2 {
-            // The pooled connection to the target closes once this request is done.
+        let handing_off = ctx.upstream.handoff_mark.is_some();
+        if ctx.closing() && !upgrading && !handing_off && request.version() != Version::HTTP_2 {
+            // The pooled connection to the target closes once this request is done (a
+            // hand-off's target is another pod, which stays: its pool is kept).
             request
                 .headers_mut()
                 .insert(CONNECTION, HeaderValue::from_static("close"));
