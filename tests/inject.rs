@@ -1039,7 +1039,17 @@ fn services_in_the_stream_give_the_pod_its_handoff() {
         handoff.as_deref(),
         Some("8080=web.shop.svc:80,9090=web.shop.svc:9090")
     );
+    // With a hand-off the lame duck need not wait for the slowest load balancer: 10 s at
+    // most by default (four fifths of the grace period otherwise).
+    assert_eq!(
+        proxy_env(docs[0], "LAMEDUCK_LAME_DUCK_MAX").as_deref(),
+        Some("10s")
+    );
     assert_eq!(proxy_env(docs[1], "LAMEDUCK_HANDOFF"), None);
+    assert_eq!(
+        proxy_env(docs[1], "LAMEDUCK_LAME_DUCK_MAX").as_deref(),
+        Some("20s")
+    );
     assert_eq!(
         proxy_env(docs[2], "LAMEDUCK_HANDOFF").as_deref(),
         Some("8080=front.shop.svc:80")

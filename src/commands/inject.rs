@@ -94,6 +94,12 @@ pub const GRACE_MARGIN_SECONDS: u64 = 5;
 /// longer gets the close-spread window, at least a fifth of the grace period then). Jobs serve
 /// no inbound traffic and get none, so that they complete without waiting.
 pub const DEFAULT_LAME_DUCK_MAX: Duration = Duration::from_secs(60);
+/// The longest adaptive lame duck inject configures by default when the pod hands late
+/// connections off to its Service (at most [`LAME_DUCK_SHARE`] of the grace period too): what
+/// arrives after it still reaches a pod, one hop further (benches/README.md, "Hand-off": tens
+/// of microseconds), so the app need not wait for the slowest load balancer; 10 s covers the
+/// propagation of kube-proxy on most clusters, whose requests then take no extra hop.
+pub const HANDOFF_LAME_DUCK_MAX: Duration = Duration::from_secs(10);
 /// The share of the grace period an adaptive lame duck may take by default: with a grace period
 /// of 20 s, 16 s, beyond the 15 s of a propagation of 10 s ± 50 % (docs/pod-lifecycle.md).
 pub const LAME_DUCK_SHARE: f64 = 0.8;
@@ -376,7 +382,7 @@ fn inject_template(
     let spec = template
         .get_mut("spec")
         .expect("checked above to be a mapping");
-    let settings = settings(spec, object, &get, is_job, options)?;
+    let mut settings = settings(spec, object, &get, is_job, options)?;
     if settings.intercept.is_some() && get(ANNOTATION_INBOUND_PORTS).is_some() {
         notes.push(object.note(format!(
             "{ANNOTATION_INBOUND_PORTS} is for the explicit mode ({ANNOTATION_INTERCEPT}: \
@@ -408,6 +414,15 @@ fn inject_template(
         false => None,
     };
     let handoff = handoff(template_labels, spec, &settings, object, options, notes);
+    if handoff.is_some()
+        && get(ANNOTATION_LAME_DUCK_MAX).is_none()
+        && let Some(LameDuck::Adaptive { max, min, .. }) = &mut settings.lame_duck
+    {
+        // Never below a minimum the workload asked for.
+        *max = (*max)
+            .min(HANDOFF_LAME_DUCK_MAX)
+            .max(min.unwrap_or_default());
+    }
     let proxy = proxy_container(
         &settings,
         endpoint,
