@@ -555,6 +555,7 @@ fn the_manifests_decode_as_kubernetes_objects_and_select_only_what_they_should()
     use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
     use k8s_openapi::api::apps::v1::Deployment;
     use k8s_openapi::api::core::v1::{Namespace, Secret, Service, ServiceAccount};
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
     let (yaml, documents) = manifests(&[]);
     // Decoded into the Kubernetes types (a field of the wrong type fails).
     for document in &documents {
@@ -569,11 +570,30 @@ fn the_manifests_decode_as_kubernetes_objects_and_select_only_what_they_should()
             "MutatingWebhookConfiguration" => {
                 serde_json::from_value::<MutatingWebhookConfiguration>(document.clone()).map(drop)
             }
+            "ClusterRole" => serde_json::from_value::<ClusterRole>(document.clone()).map(drop),
+            "ClusterRoleBinding" => {
+                serde_json::from_value::<ClusterRoleBinding>(document.clone()).map(drop)
+            }
             other => panic!("unexpected {other}"),
         };
         decoded.unwrap_or_else(|error| panic!("{}: {error}", document["kind"]));
     }
-    assert_eq!(documents.len(), 6);
+    assert_eq!(documents.len(), 8);
+    // The webhook's ServiceAccount may list Services (the hand-off of the pods it injects),
+    // nothing more; its token is mounted for it.
+    assert_eq!(
+        of_kind(&documents, "ClusterRole")["rules"],
+        json!([{"apiGroups": [""], "resources": ["services"], "verbs": ["list"]}])
+    );
+    assert_eq!(
+        of_kind(&documents, "ClusterRoleBinding")["subjects"],
+        json!([{"kind": "ServiceAccount", "name": "lameduck-webhook", "namespace": "lameduck"}])
+    );
+    assert!(
+        of_kind(&documents, "Deployment")["spec"]["template"]["spec"]
+            ["automountServiceAccountToken"]
+            .is_null()
+    );
     // And by kubectl, offline, as `kubectl apply` decodes them (YAML 1.1 rules).
     kubectl_decodes(&yaml, documents.len());
 
@@ -829,5 +849,162 @@ fn no_pod_however_malformed_brings_it_down() {
     assert_eq!(
         support::http(webhook.admin, "GET", "/live", &[]).status,
         200
+    );
+}
+
+/// The requests a stand-in API server got: path, authorization.
+type Requests = Arc<std::sync::Mutex<Vec<(String, String)>>>;
+
+/// A stand-in for the API server over TLS (a certificate for 127.0.0.1 signed by `certs`' CA):
+/// `GET /api/v1/namespaces/shop/services` with the right token answers a ServiceList; anything
+/// else 403. Returns its address and the requests it got (path, authorization).
+fn api_server(certs: &Certs) -> (SocketAddr, Requests) {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+    let cert = params.signed_by(&key, &certs.ca, &certs.ca_key).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![cert.der().clone()],
+        rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap(),
+    )
+    .unwrap();
+    let config = Arc::new(config);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let recorded = seen.clone();
+    std::thread::spawn(move || {
+        for tcp in listener.incoming() {
+            let Ok(tcp) = tcp else { continue };
+            let tls = rustls::ServerConnection::new(config.clone()).unwrap();
+            let mut stream = rustls::StreamOwned::new(tls, tcp);
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                match stream.read(&mut byte) {
+                    Ok(1) => head.push(byte[0]),
+                    _ => break,
+                }
+            }
+            let head = String::from_utf8_lossy(&head).to_string();
+            let path = head.split(' ').nth(1).unwrap_or_default().to_string();
+            let authorization = head
+                .lines()
+                .find_map(|line| line.strip_prefix("authorization: "))
+                .unwrap_or_default()
+                .to_string();
+            let allowed =
+                path == "/api/v1/namespaces/shop/services" && authorization == "Bearer test-token";
+            recorded.lock().unwrap().push((path, authorization));
+            let (status, body) = match allowed {
+                true => ("200 OK", json!({"kind": "ServiceList", "apiVersion": "v1", "items": [
+                    {"metadata": {"name": "web", "namespace": "shop"},
+                     "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080, "protocol": "TCP"}]}},
+                    {"metadata": {"name": "api", "namespace": "shop"},
+                     "spec": {"selector": {"app": "api"}, "ports": [{"port": 80, "targetPort": 9090, "protocol": "TCP"}]}}
+                ]}).to_string()),
+                false => ("403 Forbidden", json!({"kind": "Status", "code": 403}).to_string()),
+            };
+            let _ = write!(
+                stream,
+                "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            stream.conn.send_close_notify();
+            let _ = stream.flush();
+        }
+    });
+    (addr, seen)
+}
+
+/// The webhook sees one pod at a time: it asks the API (with its own ServiceAccount's token)
+/// for the Services of the pod's namespace, and the pod hands its late connections to those
+/// that select it, as inject's output does; one list serves a burst of pods. Where the API
+/// refuses, the pod is injected without a hand-off.
+#[test]
+fn pods_hand_off_to_the_services_the_api_lists_for_their_namespace() {
+    let (dir, certs) = setup();
+    let (api, seen) = api_server(&certs);
+    std::fs::write(dir.path().join("token"), "test-token\n").unwrap();
+    std::fs::write(dir.path().join("ca.crt"), certs.ca.pem()).unwrap();
+    let api_url = format!("https://{api}");
+    let token = dir.path().join("token").display().to_string();
+    let ca = dir.path().join("ca.crt").display().to_string();
+    let webhook = start(
+        dir.path(),
+        &[
+            "--kube-api",
+            &api_url,
+            "--kube-token",
+            &token,
+            "--kube-ca",
+            &ca,
+        ],
+    );
+    let config = client_config(&certs.ca);
+    let handoff_of = |namespace: &str, uid: &str| -> Option<String> {
+        let (status, body, _) = post(
+            webhook.reviews,
+            &config,
+            "/mutate",
+            &review(
+                uid,
+                "CREATE",
+                &pod("web", json!({}), Some("ReplicaSet")),
+                namespace,
+            ),
+        )
+        .unwrap();
+        assert_eq!(status, 200);
+        let answer: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(answer["response"]["allowed"], true);
+        let patch = base64::engine::general_purpose::STANDARD
+            .decode(answer["response"]["patch"].as_str().unwrap())
+            .unwrap();
+        let patch: json_patch::Patch = serde_json::from_slice(&patch).unwrap();
+        let mut patched = pod("web", json!({}), Some("ReplicaSet"));
+        json_patch::patch(&mut patched, &patch).unwrap();
+        let proxy = patched["spec"]["initContainers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|container| container["name"] == "lameduck-proxy")
+            .unwrap()
+            .clone();
+        proxy["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|var| var["name"] == "LAMEDUCK_HANDOFF")
+            .map(|var| var["value"].as_str().unwrap().to_string())
+    };
+    assert_eq!(
+        handoff_of("shop", "a").as_deref(),
+        Some("8080=web.shop.svc:80")
+    );
+    assert_eq!(
+        handoff_of("shop", "b").as_deref(),
+        Some("8080=web.shop.svc:80")
+    );
+    assert_eq!(handoff_of("locked", "c"), None);
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        [
+            (
+                "/api/v1/namespaces/shop/services".to_string(),
+                "Bearer test-token".to_string()
+            ),
+            (
+                "/api/v1/namespaces/locked/services".to_string(),
+                "Bearer test-token".to_string()
+            ),
+        ],
+        "one list for the burst of two pods, the token each time"
     );
 }

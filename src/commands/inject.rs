@@ -43,7 +43,7 @@ mod skip;
 mod spec;
 mod write;
 
-pub use services::Service;
+pub use services::{Service, collect as services_of};
 pub use spec::{InjectError, PROXY_NAME};
 use spec::{Object, app_containers, container_name, has_container, map, sequence, yaml};
 

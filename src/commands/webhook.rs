@@ -9,6 +9,7 @@
 //! it stops accepting, finishes the reviews in flight and exits 0.
 
 pub mod admission;
+pub mod kube;
 pub mod manifests;
 pub mod tls;
 
@@ -81,6 +82,17 @@ pub struct WebhookArgs {
     /// the pod's own)
     #[arg(long, value_name = "NAMESPACE")]
     namespace: Option<String>,
+    /// The Kubernetes API server, whose Services give injected pods their hand-off (by default
+    /// the one a pod is given: KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT; outside a
+    /// pod, none: no hand-off)
+    #[arg(long, value_name = "https://HOST:PORT")]
+    kube_api: Option<String>,
+    /// The token the webhook lists Services with (read again at each call)
+    #[arg(long, value_name = "FILE", default_value_t = format!("{}/token", kube::SERVICE_ACCOUNT_DIR))]
+    kube_token: String,
+    /// The CA of the API server's certificate
+    #[arg(long, value_name = "FILE", default_value_t = format!("{}/ca.crt", kube::SERVICE_ACCOUNT_DIR))]
+    kube_ca: String,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -92,6 +104,10 @@ enum WebhookCommand {
 /// What every request of the webhook shares.
 struct Webhook {
     policy: Policy,
+    /// Where the Services of a pod's namespace come from, if anywhere.
+    api: Option<kube::Api>,
+    /// At most one warning a minute about Services that could not be listed.
+    api_log: std::sync::Mutex<crate::logging::Throttle>,
     reviews: Family<[(&'static str, &'static str); 1], Counter>,
     bad_requests: Counter,
     registry: Registry,
@@ -124,6 +140,22 @@ pub fn run(args: WebhookArgs) -> i32 {
             return EXIT_INVALID;
         }
     };
+    let api = match kube::Api::new(
+        args.kube_api.as_deref(),
+        args.kube_token.clone().into(),
+        args.kube_ca.clone().into(),
+    ) {
+        Ok(api) => api,
+        // In a pod without the API's CA (no ServiceAccount token mounted): no hand-offs.
+        Err(error) if args.kube_api.is_none() => {
+            eprintln!("lameduck webhook: no hand-offs from Services: {error}");
+            None
+        }
+        Err(error) => {
+            eprintln!("lameduck webhook: {error}");
+            return EXIT_INVALID;
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -135,10 +167,10 @@ pub fn run(args: WebhookArgs) -> i32 {
             return EXIT_FAILED;
         }
     };
-    runtime.block_on(serve(args, certs))
+    runtime.block_on(serve(args, certs, api))
 }
 
-async fn serve(args: WebhookArgs, certs: Arc<tls::Reloading>) -> i32 {
+async fn serve(args: WebhookArgs, certs: Arc<tls::Reloading>, api: Option<kube::Api>) -> i32 {
     let bind = |addr: SocketAddr| crate::net::bind(addr, false);
     let (reviews_listener, admin_listener) = match (bind(args.listen), bind(args.admin)) {
         (Ok(reviews), Ok(admin)) => (reviews, admin),
@@ -171,13 +203,19 @@ async fn serve(args: WebhookArgs, certs: Arc<tls::Reloading>) -> i32 {
             deny_invalid: args.deny_invalid,
             own_namespace: args.namespace,
         },
+        api,
+        api_log: std::sync::Mutex::new(crate::logging::Throttle::new(Duration::from_secs(60))),
         reviews,
         bad_requests,
         registry,
         ready: AtomicBool::new(true),
     });
     let local = |listener: &TcpListener, fallback| listener.local_addr().unwrap_or(fallback);
-    info!(listen = %local(&reviews_listener, args.listen), admin = %local(&admin_listener, args.admin), "webhook serving");
+    let services_from = webhook
+        .api
+        .as_ref()
+        .map_or("nowhere (no hand-offs)".to_string(), kube::Api::address);
+    info!(listen = %local(&reviews_listener, args.listen), admin = %local(&admin_listener, args.admin), services_from, "webhook serving");
     tokio::spawn(serve_admin(admin_listener, webhook.clone()));
 
     let acceptor = tokio_rustls::TlsAcceptor::from(tls::server_config(certs));
@@ -232,6 +270,26 @@ async fn serve(args: WebhookArgs, certs: Arc<tls::Reloading>) -> i32 {
     0
 }
 
+/// The policy with the Services of the review's namespace, for the pod's hand-off; `None`
+/// when there are none to be had (no API server, not a pod's review, the API did not answer).
+async fn with_services(webhook: &Webhook, body: &[u8]) -> Option<Policy> {
+    let api = webhook.api.as_ref()?;
+    let namespace = admission::pod_namespace(body)?;
+    match api.services(&namespace).await {
+        Ok(services) => {
+            let mut policy = webhook.policy.clone();
+            policy.inject.services = services.to_vec();
+            Some(policy)
+        }
+        Err(error) => {
+            if let Some(suppressed) = crate::sync::lock(&webhook.api_log).due() {
+                warn!(%namespace, %error, suppressed, "cannot list the Services of the pod's namespace: the pod is injected without a hand-off");
+            }
+            None
+        }
+    }
+}
+
 /// One request on the HTTPS port.
 async fn answer(webhook: &Webhook, request: Request<Incoming>) -> Response<Full<Bytes>> {
     if request.uri().path() != "/mutate" {
@@ -253,7 +311,11 @@ async fn answer(webhook: &Webhook, request: Request<Incoming>) -> Response<Full<
             );
         }
     };
-    match admission::review(&body, &webhook.policy) {
+    let policy = match with_services(webhook, &body).await {
+        Some(policy) => std::borrow::Cow::Owned(policy),
+        None => std::borrow::Cow::Borrowed(&webhook.policy),
+    };
+    match admission::review(&body, &policy) {
         Ok((answer, outcome)) => {
             webhook
                 .reviews

@@ -50,6 +50,19 @@ impl Outcome {
 #[derive(Debug, PartialEq, Eq)]
 pub struct BadReview(pub String);
 
+/// The namespace of the pod a review would create, if it is one (for its Services).
+pub fn pod_namespace(body: &[u8]) -> Option<String> {
+    let review: Value = serde_json::from_slice(body).ok()?;
+    let request = &review["request"];
+    if request["kind"]["kind"] != "Pod" || request["operation"] != "CREATE" {
+        return None;
+    }
+    request["namespace"]
+        .as_str()
+        .or_else(|| request["object"]["metadata"]["namespace"].as_str())
+        .map(str::to_string)
+}
+
 /// Answers one review: the response `AdmissionReview`, and what it came to.
 pub fn review(body: &[u8], policy: &Policy) -> Result<(Value, Outcome), BadReview> {
     let review: Value =

@@ -1,5 +1,6 @@
 //! `lameduck webhook manifests`: what an administrator applies to run the webhook: its
-//! Namespace, ServiceAccount, Deployment and Service, the `MutatingWebhookConfiguration`, and
+//! Namespace, ServiceAccount (allowed to list Services, for the hand-off), Deployment and
+//! Service, the `MutatingWebhookConfiguration`, and
 //! its certificate: generated here (a CA, and a serving certificate it signs, with the CA in
 //! the configuration's `caBundle`), or with `--cert-manager` an Issuer and a Certificate whose
 //! CA cert-manager injects.
@@ -78,7 +79,30 @@ kind: ServiceAccount
 metadata:
   name: {NAME}
   namespace: {ns}
-automountServiceAccountToken: false
+---
+# The webhook reads the Services of a pod's namespace for the pod's hand-off; the workloads get
+# no permission.
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: {NAME}
+rules:
+- apiGroups: [""]
+  resources: [services]
+  verbs: [list]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: {NAME}
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: ClusterRole
+  name: {NAME}
+subjects:
+- kind: ServiceAccount
+  name: {NAME}
+  namespace: {ns}
 ---
 "#
     );
@@ -212,7 +236,6 @@ spec:
         lameduck.io/inject: disabled
     spec:
       serviceAccountName: {NAME}
-      automountServiceAccountToken: false
       containers:
       - name: webhook
         image: "{image}"
