@@ -30,6 +30,7 @@ const DURATION_BUCKETS: [f64; 14] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 type DirectionLabel = [(&'static str, &'static str); 1];
+type ProtocolLabel = [(&'static str, &'static str); 1];
 
 /// Which bound closed a connection in which nothing moved.
 #[derive(Clone, Copy, Debug)]
@@ -83,6 +84,8 @@ pub struct Metrics {
     refused: Family<Labels, Counter>,
     late: Family<Labels, Counter>,
     handoff_loops: Counter,
+    handoffs: Family<ProtocolLabel, Counter>,
+    handoff_failures: Family<ProtocolLabel, Counter>,
     force_closed: Counter,
     connection_limit: Gauge,
     limit_waits: Counter,
@@ -136,6 +139,18 @@ impl Metrics {
             "late_connections",
             "Connections that arrived after the lame duck was over (the cluster still sent them here), by direction and fate: handed_off to the pod's Service, or refused at once (accepted and reset)",
             late.clone(),
+        );
+        let handoffs = Family::<ProtocolLabel, Counter>::default();
+        registry.register(
+            "handoffs",
+            "Late connections handed off to the pod's Service, by the protocol they spoke (http1, http2, tcp)",
+            handoffs.clone(),
+        );
+        let handoff_failures = Family::<ProtocolLabel, Counter>::default();
+        registry.register(
+            "handoff_failures",
+            "Hand-offs that did not reach a pod of the Service, by protocol: an HTTP request answered by the proxy itself (502, 504), a TCP stream reset",
+            handoff_failures.clone(),
         );
         let handoff_loops = Counter::default();
         registry.register(
@@ -245,6 +260,8 @@ impl Metrics {
             refused,
             late,
             handoff_loops,
+            handoffs,
+            handoff_failures,
             force_closed,
             connection_limit,
             limit_waits,
@@ -321,6 +338,18 @@ impl Metrics {
 
     pub fn handoff_loop(&self) {
         self.handoff_loops.inc();
+    }
+
+    pub fn handoff(&self, protocol: ConnProtocol) {
+        self.handoffs
+            .get_or_create(&[("protocol", protocol.as_str())])
+            .inc();
+    }
+
+    pub fn handoff_failed(&self, protocol: ConnProtocol) {
+        self.handoff_failures
+            .get_or_create(&[("protocol", protocol.as_str())])
+            .inc();
     }
 
     pub fn accept_failed(&self, direction: Direction) {

@@ -26,6 +26,9 @@ const SERVICE: &str = "10.96.0.10";
 const HTTP_PORT: u16 = 8080;
 const TCP_PORT: u16 = 9000;
 const BARE_PORT: u16 = 8090;
+/// A pod port handed off to a Service port no endpoint serves.
+const NOWHERE_PORT: u16 = 8070;
+const SERVICE_NOWHERE: u16 = 81;
 /// The Service's ports.
 const SERVICE_HTTP: u16 = 80;
 const SERVICE_TCP: u16 = 9000;
@@ -81,6 +84,25 @@ fn cluster(endpoints: Endpoints) {
     run(
         "ip",
         &["route", "add", &format!("{SERVICE}/32"), "dev", "lo"],
+    );
+    // A Service port without endpoints: kube-proxy rejects its connections (with an ICMP
+    // error; here a reset: over the loopback the ICMP error left the connect to time out).
+    run(
+        "iptables-nft",
+        &[
+            "-A",
+            "OUTPUT",
+            "-d",
+            SERVICE,
+            "-p",
+            "tcp",
+            "--dport",
+            &SERVICE_NOWHERE.to_string(),
+            "-j",
+            "REJECT",
+            "--reject-with",
+            "tcp-reset",
+        ],
     );
     for (service_port, pod_port) in [(SERVICE_HTTP, HTTP_PORT), (SERVICE_TCP, TCP_PORT)] {
         let chain = format!("SVC-{service_port}");
@@ -185,8 +207,9 @@ fn pods() -> Pods {
 /// route without one; an adaptive lame duck that ends soon when nothing arrives; the drain
 /// socket of the app containers' preStop hook, in `dir`.
 fn leaving_proxy(pods: &Pods, dir: &Dir) -> Proxy {
-    let handoff =
-        format!("{HTTP_PORT}={SERVICE}:{SERVICE_HTTP},{TCP_PORT}={SERVICE}:{SERVICE_TCP}");
+    let handoff = format!(
+        "{HTTP_PORT}={SERVICE}:{SERVICE_HTTP},{TCP_PORT}={SERVICE}:{SERVICE_TCP},{NOWHERE_PORT}={SERVICE}:{SERVICE_NOWHERE}"
+    );
     Proxy::start(&[
         "--inbound",
         &format!("{POD}:{HTTP_PORT}={}", pods.app.addr),
@@ -194,6 +217,8 @@ fn leaving_proxy(pods: &Pods, dir: &Dir) -> Proxy {
         &format!("{POD}:{TCP_PORT}=127.0.0.1:19000/tcp"),
         "--inbound",
         &format!("{POD}:{BARE_PORT}={}", pods.app.addr),
+        "--inbound",
+        &format!("{POD}:{NOWHERE_PORT}={}", pods.app.addr),
         "--handoff",
         &handoff,
         "--pod-ip",
@@ -338,6 +363,15 @@ fn late_connections_are_handed_off_to_the_service() {
             ),
             4.0
         );
+        for (protocol, count) in [("http1", 2.0), ("http2", 1.0), ("tcp", 1.0)] {
+            assert_eq!(
+                proxy.metric(&format!(
+                    "lameduck_handoffs_total{{protocol=\"{protocol}\"}}"
+                )),
+                count,
+                "{protocol}"
+            );
+        }
         let status = Command::new(BIN)
             .args(["status", "--admin", &proxy.admin.to_string()])
             .output()
@@ -413,7 +447,8 @@ fn a_handoff_that_comes_back_to_its_pod_is_dialled_again() {
 
 /// One hop at most, and only what the Services configured take: a late request that another
 /// leaving pod handed off already is answered 503 (marked refused, for that pod to draw
-/// again), not handed on; a late connection to a pod port without a hand-off is reset.
+/// again), not handed on; a late connection to a pod port without a hand-off is reset; one
+/// whose Service has no endpoint gets the proxy's 502, counted as a failed hand-off.
 #[test]
 fn a_late_connection_is_handed_off_once_and_only_where_configured() {
     in_netns(
@@ -434,6 +469,16 @@ fn a_late_connection_is_handed_off_once_and_only_where_configured() {
             let mut bare = TcpStream::connect(addr(POD, BARE_PORT)).unwrap();
             let (close, _) = wait_close(&mut bare, PATIENCE);
             assert_eq!(close, support::Close::Reset);
+
+            // A Service port no endpoint serves: every dial refused, the request answered 502
+            // by the proxy, and counted as a failed hand-off.
+            let mut nowhere = send_raw(addr(POD, NOWHERE_PORT), &get("/nowhere"));
+            let response = read_response(&mut nowhere).expect("an answer");
+            assert_eq!(response.status, 502);
+            assert_eq!(
+                proxy.metric("lameduck_handoff_failures_total{protocol=\"http1\"}"),
+                1.0
+            );
 
             assert!(pods.other.seen_paths().is_empty());
             assert!(pods.app.seen_paths().is_empty());

@@ -349,6 +349,9 @@ async fn serve(
         ))),
     };
     if protocol == Protocol::Tcp {
+        if proxy_route.handoff.is_some() {
+            proxy.metrics.handoff(ConnProtocol::Tcp);
+        }
         return as_tcp(stream, registration, tokens).await;
     }
     // An `http` route waits for the first bytes only as long as for a request's headers.
@@ -370,11 +373,15 @@ async fn serve(
         // Boxed, so that the connection's task is not sized for the detection's state.
         detected = Box::pin(detect::detect(&stream, http_only, wait, listeners_closed)) => detected,
     };
+    let handing_off = proxy_route.handoff.is_some();
     let version = match detected {
         Detected::Http1 => HttpVersion::Http1,
         Detected::Http2 => HttpVersion::Http2,
         // Not HTTP, or a server-speaks-first protocol: opaque TCP.
         Detected::Tcp | Detected::Silent if !http_only => {
+            if handing_off {
+                proxy.metrics.handoff(ConnProtocol::Tcp);
+            }
             return as_tcp(stream, registration, tokens).await;
         }
         Detected::Tcp | Detected::Silent | Detected::Closed => {
@@ -382,6 +389,12 @@ async fn serve(
             return;
         }
     };
+    if handing_off {
+        proxy.metrics.handoff(match version {
+            HttpVersion::Http1 => ConnProtocol::Http1,
+            HttpVersion::Http2 => ConnProtocol::Http2,
+        });
+    }
     let upstream = proxy_route.upstream(destination);
     Box::pin(http::serve(
         stream,

@@ -166,6 +166,7 @@ pub async fn hand_off(
             }
         }
     }
+    proxy.metrics.handoff_failed(ConnProtocol::Tcp);
     reset(&client);
 }
 

@@ -206,6 +206,14 @@ fn forward(
                 };
                 let error = &failure.error;
                 let status = answer.status;
+                if ctx.upstream.handoff_mark.is_some() {
+                    let protocol = match ctx.version {
+                        HttpVersion::Http1 => ConnProtocol::Http1,
+                        HttpVersion::Http2 => ConnProtocol::Http2,
+                    };
+                    ctx.proxy.metrics.handoff_failed(protocol);
+                    debug!(error = %error, %status, target = %target, "a late request could not be handed off to the Service");
+                }
                 debug!(error = %error, source = ?error.source(), %status, "forwarding failed");
                 return Ok(error_response(&ctx, answer, in_flight));
             }
