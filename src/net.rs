@@ -337,6 +337,13 @@ async fn connect_from_own_port(
     socket.bind(any)?;
     let port = OwnPorts::record(own, socket.local_addr()?.port());
     let stream = socket.connect(addr).await?;
+    if let Some(after) = own.dials_only {
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            drop(port);
+        });
+        return Ok((stream, None));
+    }
     Ok((stream, Some(port)))
 }
 
@@ -348,6 +355,10 @@ async fn connect_from_own_port(
 /// port (64 KiB in all): an IPv4 and an IPv6 connection may share a port number.
 pub struct OwnPorts {
     counts: Box<[AtomicU8]>,
+    /// For connections that can come back only as they are dialled (the hand-off's: the node's
+    /// Service rules send a connection back at its handshake, never later): how long after its
+    /// connect a port stays recorded. `None`: as long as its connection lives.
+    dials_only: Option<Duration>,
 }
 
 impl std::fmt::Debug for OwnPorts {
@@ -360,11 +371,21 @@ impl Default for OwnPorts {
     fn default() -> Self {
         OwnPorts {
             counts: (0..=u16::MAX).map(|_| AtomicU8::new(0)).collect(),
+            dials_only: None,
         }
     }
 }
 
 impl OwnPorts {
+    /// Ports recorded for `after` past their connect only, not for their connection's life:
+    /// a client of this pod that happens to use such a port later is not taken for one of them.
+    pub fn dials_only(after: Duration) -> OwnPorts {
+        OwnPorts {
+            dials_only: Some(after),
+            ..OwnPorts::default()
+        }
+    }
+
     fn record(own: &Arc<OwnPorts>, port: u16) -> OwnPort {
         own.counts[usize::from(port)].fetch_add(1, Ordering::AcqRel);
         OwnPort {

@@ -40,12 +40,17 @@ const HANDOFF_RETRY_BUDGET: RetryBudget = RetryBudget {
     per_second: 100,
 };
 
+/// How long past its connect a hand-off's port stays recorded: a connection the node sends
+/// back arrives with the handshake (the listener's task accepts it within milliseconds); a
+/// client of the pod that later uses the same port is then never taken for a loop.
+const DIAL_RECORDED: Duration = Duration::from_secs(1);
+
 /// The hand-offs of the pod ports that have one, and what tells their loops apart.
 pub struct Handoff {
     services: Vec<(u16, Target, Arc<Upstream>)>,
-    /// The local ports of the hand-off's HTTP connections.
+    /// The local ports of the hand-off's HTTP connections, in the second after their dial.
     http_ports: Arc<OwnPorts>,
-    /// The local ports of the hand-off's TCP tunnels, while their first bytes are kept.
+    /// The local ports of the hand-off's TCP tunnels, in the second after their dial.
     pub(super) tcp_ports: Arc<OwnPorts>,
     /// Tunnels whose connection came back: the tunnel takes its port out when its connection
     /// fails, and dials again.
@@ -80,7 +85,7 @@ impl Handoff {
             return None;
         }
         let mark = HeaderValue::from_str(mark).unwrap_or(HeaderValue::from_static("1"));
-        let http_ports = Arc::new(OwnPorts::default());
+        let http_ports = Arc::new(OwnPorts::dials_only(DIAL_RECORDED));
         let services = handoffs
             .iter()
             .map(|(port, target)| {
@@ -99,7 +104,7 @@ impl Handoff {
         Some(Handoff {
             services,
             http_ports,
-            tcp_ports: Arc::default(),
+            tcp_ports: Arc::new(OwnPorts::dials_only(DIAL_RECORDED)),
             looped: Mutex::new(HashSet::new()),
         })
     }

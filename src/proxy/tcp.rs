@@ -133,7 +133,6 @@ pub async fn hand_off(
             _ = tokens.terminate.cancelled() => break,
             verdict = probation(&client, &upstream, &mut kept, || handoff.looped(port)) => verdict,
         };
-        // Past the probation a connection cannot come back any more: its port is no one's.
         drop(own_port);
         handoff.looped(port);
         match verdict {
