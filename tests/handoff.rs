@@ -9,13 +9,12 @@ mod support;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::Command;
-use std::sync::Arc;
 use std::thread;
 use std::time::Instant;
 
 use support::backend::{Backend, get, read_response, send_raw};
 use support::h2raw::{self, H2};
-use support::netns::NetNs;
+use support::netns::run;
 use support::{BIN, PATIENCE, Proxy, wait_close};
 
 /// The leaving pod's address, the other pod's, and the Service's ClusterIP.
@@ -41,27 +40,8 @@ fn unsupported() -> Option<&'static str> {
     (!runs).then_some("iptables-nft is not installed (Debian package iptables)")
 }
 
-fn run(program: &str, args: &[&str]) {
-    let out = Command::new(program).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn in_netns(test: &'static str, work: impl FnOnce() + Send + 'static) {
-    if let Some(why) = unsupported() {
-        return support::skip(test, why);
-    }
-    let tag: String = test.split('_').map(|word| &word[..1]).collect();
-    let Some(netns) = NetNs::new(&tag) else {
-        return support::skip(
-            test,
-            "cannot make a network namespace (needs root and ip(8))",
-        );
-    };
-    Arc::new(netns).run(work);
+    support::netns::in_netns(test, unsupported(), work);
 }
 
 /// How kube-proxy's rules send the Service's port to its endpoints.
@@ -87,85 +67,30 @@ fn cluster(endpoints: Endpoints) {
     );
     // A Service port without endpoints: kube-proxy rejects its connections (with an ICMP
     // error; here a reset: over the loopback the ICMP error left the connect to time out).
-    run(
-        "iptables-nft",
-        &[
-            "-A",
-            "OUTPUT",
-            "-d",
-            SERVICE,
-            "-p",
-            "tcp",
-            "--dport",
-            &SERVICE_NOWHERE.to_string(),
-            "-j",
-            "REJECT",
-            "--reject-with",
-            "tcp-reset",
-        ],
-    );
+    iptables(&format!(
+        "-A OUTPUT -d {SERVICE} -p tcp --dport {SERVICE_NOWHERE} -j REJECT --reject-with tcp-reset"
+    ));
     for (service_port, pod_port) in [(SERVICE_HTTP, HTTP_PORT), (SERVICE_TCP, TCP_PORT)] {
         let chain = format!("SVC-{service_port}");
-        run("iptables-nft", &["-t", "nat", "-N", &chain]);
-        let to = |pod: &str| format!("{pod}:{pod_port}");
+        iptables(&format!("-t nat -N {chain}"));
         if let Endpoints::Alternating = endpoints {
-            run(
-                "iptables-nft",
-                &[
-                    "-t",
-                    "nat",
-                    "-A",
-                    &chain,
-                    "-m",
-                    "statistic",
-                    "--mode",
-                    "nth",
-                    "--every",
-                    "2",
-                    "--packet",
-                    "0",
-                    "-p",
-                    "tcp",
-                    "-j",
-                    "DNAT",
-                    "--to-destination",
-                    &to(POD),
-                ],
-            );
+            iptables(&format!(
+                "-t nat -A {chain} -m statistic --mode nth --every 2 --packet 0 -p tcp \
+                 -j DNAT --to-destination {POD}:{pod_port}"
+            ));
         }
-        run(
-            "iptables-nft",
-            &[
-                "-t",
-                "nat",
-                "-A",
-                &chain,
-                "-p",
-                "tcp",
-                "-j",
-                "DNAT",
-                "--to-destination",
-                &to(OTHER_POD),
-            ],
-        );
-        run(
-            "iptables-nft",
-            &[
-                "-t",
-                "nat",
-                "-A",
-                "OUTPUT",
-                "-d",
-                SERVICE,
-                "-p",
-                "tcp",
-                "--dport",
-                &service_port.to_string(),
-                "-j",
-                &chain,
-            ],
-        );
+        iptables(&format!(
+            "-t nat -A {chain} -p tcp -j DNAT --to-destination {OTHER_POD}:{pod_port}"
+        ));
+        iptables(&format!(
+            "-t nat -A OUTPUT -d {SERVICE} -p tcp --dport {service_port} -j {chain}"
+        ));
     }
+}
+
+/// One `iptables-nft` rule, its words as written.
+fn iptables(rule: &str) {
+    run("iptables-nft", &rule.split_whitespace().collect::<Vec<_>>());
 }
 
 /// An echo server that answers each chunk with `tag` and the chunk.
@@ -269,6 +194,31 @@ fn lame_duck_over(proxy: &Proxy, dir: &Dir) {
         });
 }
 
+/// The cluster with its Service's `endpoints`, the pods, and the leaving pod's proxy with its
+/// lame duck over (its drain socket's folder named after `tag`).
+fn late(endpoints: Endpoints, tag: &str) -> (Pods, Dir, Proxy) {
+    cluster(endpoints);
+    let pods = pods();
+    let dir = Dir::new(tag);
+    let proxy = leaving_proxy(&pods, &dir);
+    lame_duck_over(&proxy, &dir);
+    (pods, dir, proxy)
+}
+
+/// Late connections the proxy handed off so far.
+fn handed_off(proxy: &Proxy) -> f64 {
+    proxy.metric("lameduck_late_connections_total{direction=\"inbound\",fate=\"handed_off\"}")
+}
+
+/// The leaving pod's app got nothing late.
+fn app_untouched(pods: &Pods) {
+    assert!(
+        pods.app.seen_paths().is_empty(),
+        "the leaving pod's app got {:?}",
+        pods.app.seen_paths()
+    );
+}
+
 /// The app has exited: the proxy's own SIGTERM. It exits once late connections have stopped.
 fn app_exited(proxy: &mut Proxy) {
     proxy.signal(libc::SIGTERM);
@@ -313,11 +263,7 @@ fn late_stream(payload: &[u8]) -> Vec<u8> {
 #[test]
 fn late_connections_are_handed_off_to_the_service() {
     in_netns("late_connections_are_handed_off_to_the_service", || {
-        cluster(Endpoints::OtherOnly);
-        let pods = pods();
-        let dir = Dir::new("handoff");
-        let mut proxy = leaving_proxy(&pods, &dir);
-        lame_duck_over(&proxy, &dir);
+        let (pods, _dir, mut proxy) = late(Endpoints::OtherOnly, "handoff");
 
         let response = late_request(&get("/late-get"));
         assert_eq!(response.status, 200);
@@ -352,17 +298,8 @@ fn late_connections_are_handed_off_to_the_service() {
             assert_eq!(request.header("lameduck-handoff"), Some(POD), "{request:?}");
         }
         assert_eq!(seen[1].body, b"a body to hand off");
-        assert!(
-            pods.app.seen_paths().is_empty(),
-            "the leaving pod's app got {:?}",
-            pods.app.seen_paths()
-        );
-        assert_eq!(
-            proxy.metric(
-                "lameduck_late_connections_total{direction=\"inbound\",fate=\"handed_off\"}"
-            ),
-            4.0
-        );
+        app_untouched(&pods);
+        assert_eq!(handed_off(&proxy), 4.0);
         for (protocol, count) in [("http1", 2.0), ("http2", 1.0), ("tcp", 1.0)] {
             assert_eq!(
                 proxy.metric(&format!(
@@ -372,11 +309,7 @@ fn late_connections_are_handed_off_to_the_service() {
                 "{protocol}"
             );
         }
-        let status = Command::new(BIN)
-            .args(["status", "--admin", &proxy.admin.to_string()])
-            .output()
-            .unwrap();
-        let status = String::from_utf8(status.stdout).unwrap();
+        let status = proxy.status();
         assert!(
             status.contains(
                 "4 connections after the lame duck: 4 handed off to the Service, 0 refused at once"
@@ -404,11 +337,7 @@ fn a_handoff_that_comes_back_to_its_pod_is_dialled_again() {
     in_netns(
         "a_handoff_that_comes_back_to_its_pod_is_dialled_again",
         || {
-            cluster(Endpoints::Alternating);
-            let pods = pods();
-            let dir = Dir::new("handoff-loop");
-            let mut proxy = leaving_proxy(&pods, &dir);
-            lame_duck_over(&proxy, &dir);
+            let (pods, _dir, mut proxy) = late(Endpoints::Alternating, "handoff-loop");
 
             // Each TCP stream dials anew, and its first dial comes back (the rules' counter is the
             // Service port's own).
@@ -428,18 +357,9 @@ fn a_handoff_that_comes_back_to_its_pod_is_dialled_again() {
 
             // Each stream's first dial, and the POST's, came back.
             assert_eq!(proxy.metric("lameduck_handoff_loops_total"), 7.0);
-            assert!(
-                pods.app.seen_paths().is_empty(),
-                "the leaving pod's app got {:?}",
-                pods.app.seen_paths()
-            );
+            app_untouched(&pods);
             // A loop is not a late connection: only the 7 clients' count.
-            assert_eq!(
-                proxy.metric(
-                    "lameduck_late_connections_total{direction=\"inbound\",fate=\"handed_off\"}"
-                ),
-                7.0
-            );
+            assert_eq!(handed_off(&proxy), 7.0);
             app_exited(&mut proxy);
         },
     );
@@ -454,11 +374,7 @@ fn a_late_connection_is_handed_off_once_and_only_where_configured() {
     in_netns(
         "a_late_connection_is_handed_off_once_and_only_where_configured",
         || {
-            cluster(Endpoints::OtherOnly);
-            let pods = pods();
-            let dir = Dir::new("handoff-once");
-            let mut proxy = leaving_proxy(&pods, &dir);
-            lame_duck_over(&proxy, &dir);
+            let (pods, _dir, mut proxy) = late(Endpoints::OtherOnly, "handoff-once");
 
             let response = late_request(
                 b"GET /second-hop HTTP/1.1\r\nHost: app.local\r\nlameduck-handoff: 10.78.0.9\r\n\r\n",

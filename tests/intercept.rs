@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use support::backend::{Backend, get, read_response, send_raw};
 use support::netns::NetNs;
+use support::netns::run;
 use support::{BIN, Proxy, wait_close};
 
 /// The proxy's uid: the NAT rules leave its own connections alone.
@@ -36,16 +37,6 @@ fn unsupported() -> Option<&'static str> {
         return Some("setpriv is not installed (util-linux)");
     }
     None
-}
-
-/// Runs a command inside the current thread's network namespace; panics with its output.
-fn run(program: &str, args: &[&str]) {
-    let out = Command::new(program).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// The pod's own addresses, on its loopback interface.
@@ -119,18 +110,7 @@ fn start_proxy() -> Proxy {
 }
 
 fn in_netns(test: &'static str, work: impl FnOnce() + Send + 'static) {
-    if let Some(why) = unsupported() {
-        return support::skip(test, why);
-    }
-    // The test's name in the namespace's: tests run in parallel.
-    let tag: String = test.split('_').map(|word| &word[..1]).collect();
-    let Some(netns) = NetNs::new(&tag) else {
-        return support::skip(
-            test,
-            "cannot make a network namespace (needs root and ip(8))",
-        );
-    };
-    Arc::new(netns).run(work);
+    support::netns::in_netns(test, unsupported(), work);
 }
 
 #[test]

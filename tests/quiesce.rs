@@ -705,11 +705,7 @@ fn late_connections_are_refused_at_once_and_the_proxy_lingers_while_they_come() 
         proxy.metric("lameduck_late_connections_total{direction=\"inbound\",fate=\"refused\"}"),
         1.0
     );
-    let status = Command::new(BIN)
-        .args(["status", "--admin", &proxy.admin.to_string()])
-        .output()
-        .unwrap();
-    let status = String::from_utf8(status.stdout).unwrap();
+    let status = proxy.status();
     assert!(
         status.contains("late:          1 connections after the lame duck: 0 handed off to the Service, 1 refused at once")
             && status.contains("from 127.0.0.1"),

@@ -402,30 +402,14 @@ impl Cluster {
         let link = format!("p{}{index}", self.k);
         support::netns::veth(&pod.netns, &self.node, &link, &[&format!("{ip}/24")], &[]);
         let node_end = format!("{link}b{}", std::process::id() % 100_000);
-        sh(&[
-            "ip",
-            "-n",
-            self.node.name(),
-            "link",
-            "set",
-            &node_end,
-            "master",
-            "br0",
-        ]);
+        let set_node_end = |what: &[&str]| {
+            let node = self.node.name();
+            sh(&[&["ip", "-n", node, "link", "set", &node_end][..], what].concat());
+        };
+        set_node_end(&["master", "br0"]);
         // The kubelet's hairpin mode (hairpin-veth): a pod's connection that the node's rules
         // send back to that very pod goes back out the port it came in on.
-        sh(&[
-            "ip",
-            "-n",
-            self.node.name(),
-            "link",
-            "set",
-            &node_end,
-            "type",
-            "bridge_slave",
-            "hairpin",
-            "on",
-        ]);
+        set_node_end(&["type", "bridge_slave", "hairpin", "on"]);
         sh(&[
             "ip",
             "-n",

@@ -36,12 +36,7 @@ pub async fn forward(
     own_ports: Option<&Arc<OwnPorts>>,
     proxy: &ProxyContext,
 ) {
-    let conn = registration.conn();
-    conn.set_protocol(ConnProtocol::Tcp);
-    proxy
-        .metrics
-        .connection_opened(conn.direction(), ConnProtocol::Tcp);
-    let _ = client.set_nodelay(true);
+    let conn = opened(&registration, &client, proxy);
     let connected = tokio::select! {
         // The grace period ran out (or a second signal) while connecting.
         _ = tokens.terminate.cancelled() => {
@@ -96,12 +91,7 @@ pub async fn hand_off(
     handoff: &Handoff,
     proxy: &ProxyContext,
 ) {
-    let conn = registration.conn();
-    conn.set_protocol(ConnProtocol::Tcp);
-    proxy
-        .metrics
-        .connection_opened(conn.direction(), ConnProtocol::Tcp);
-    let _ = client.set_nodelay(true);
+    let conn = opened(&registration, &client, proxy);
     let mut kept = Kept::default();
     for _ in 0..HANDOFF_DIALS {
         let connected = tokio::select! {
@@ -246,6 +236,21 @@ async fn probation(
             }
         }
     }
+}
+
+/// A TCP connection begins: registered and counted as such, its client's bytes sent on at once.
+fn opened<'a>(
+    registration: &'a Registration,
+    client: &TcpStream,
+    proxy: &ProxyContext,
+) -> &'a Arc<Connection> {
+    let conn = registration.conn();
+    conn.set_protocol(ConnProtocol::Tcp);
+    proxy
+        .metrics
+        .connection_opened(conn.direction(), ConnProtocol::Tcp);
+    let _ = client.set_nodelay(true);
+    conn
 }
 
 /// What a tunnel carries, as far as ending it goes.

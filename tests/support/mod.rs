@@ -292,6 +292,15 @@ impl Proxy {
     }
 
     /// The value of a metric sample, by its full line prefix (name and labels).
+    /// What `lameduck status` prints about this proxy.
+    pub fn status(&self) -> String {
+        let output = Command::new(BIN)
+            .args(["status", "--admin", &self.admin.to_string()])
+            .output()
+            .unwrap();
+        String::from_utf8(output.stdout).unwrap()
+    }
+
     pub fn metric(&self, sample: &str) -> f64 {
         let body = self.get("/metrics").body;
         body.lines()

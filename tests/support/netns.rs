@@ -7,6 +7,39 @@ use std::process::Command;
 use std::sync::Arc;
 use std::thread;
 
+/// Runs a command (in the calling thread's network namespace); panics with its output unless
+/// it succeeds.
+pub fn run(program: &str, args: &[&str]) {
+    let out = Command::new(program).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Runs `work` on a thread in a network namespace of the test's own, named after `test`; skips
+/// the test (saying why) when `unsupported` says this machine cannot run it, or when no
+/// namespace can be made.
+pub fn in_netns(
+    test: &'static str,
+    unsupported: Option<&'static str>,
+    work: impl FnOnce() + Send + 'static,
+) {
+    if let Some(why) = unsupported {
+        return super::skip(test, why);
+    }
+    // The test's name in the namespace's: tests run in parallel.
+    let tag: String = test.split('_').map(|word| &word[..1]).collect();
+    let Some(netns) = NetNs::new(&tag) else {
+        return super::skip(
+            test,
+            "cannot make a network namespace (needs root and ip(8))",
+        );
+    };
+    Arc::new(netns).run(work);
+}
+
 /// A network namespace of the test's own, deleted on drop.
 pub struct NetNs {
     name: String,
