@@ -7,7 +7,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, RawFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
 use std::time::Duration;
 
 use socket2::{Domain, Socket, Type};
@@ -334,7 +334,11 @@ async fn connect_from_own_port(
             SocketAddr::from(([0u16; 8], 0)),
         ),
     };
-    socket.bind(any)?;
+    match own.dials_only {
+        // From a port of the dial range: one the kernel would never give a client.
+        Some(_) => bind_dial_port(&socket, any, own)?,
+        None => socket.bind(any)?,
+    }
     let port = OwnPorts::record(own, socket.local_addr()?.port());
     let stream = socket.connect(addr).await?;
     if let Some(after) = own.dials_only {
@@ -345,6 +349,40 @@ async fn connect_from_own_port(
         return Ok((stream, None));
     }
     Ok((stream, Some(port)))
+}
+
+/// The ports the hand-off dials from: below Linux's ephemeral range (32768 to 60999 by
+/// default, where the kernel picks the ports of clients' connections), so that a late client of
+/// the pod is never taken for one of the hand-off's own connections come back, whatever port
+/// its kernel picked.
+const DIAL_PORTS: std::ops::RangeInclusive<u16> = 20_000..=32_767;
+
+/// Binds `socket` to a free port of [`DIAL_PORTS`] (one in use is skipped).
+fn bind_dial_port(
+    socket: &tokio::net::TcpSocket,
+    any: SocketAddr,
+    own: &OwnPorts,
+) -> io::Result<()> {
+    let span = u64::from(DIAL_PORTS.end() - DIAL_PORTS.start()) + 1;
+    let mut last = io::Error::from(io::ErrorKind::AddrInUse);
+    for _ in 0..64 {
+        // Drawn anew for each dial (SplitMix64 of a counter): two pods never walk the range in
+        // step, one pod's dials arriving at another from the ports that one dials from.
+        let n = u64::from(own.next_dial.fetch_add(1, Ordering::Relaxed));
+        let mut z = own
+            .dial_seed
+            .wrapping_add(n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let port = DIAL_PORTS.start() + (z % span) as u16;
+        match socket.bind(SocketAddr::new(any.ip(), port)) {
+            Ok(()) => return Ok(()),
+            Err(error) if error.kind() == io::ErrorKind::AddrInUse => last = error,
+            Err(error) => return Err(error),
+        }
+    }
+    Err(last)
 }
 
 /// The local ports of the proxy's own connections to original destinations, while they live.
@@ -359,6 +397,9 @@ pub struct OwnPorts {
     /// Service rules send a connection back at its handshake, never later): how long after its
     /// connect a port stays recorded. `None`: as long as its connection lives.
     dials_only: Option<Duration>,
+    /// Dials so far, and this process's own seed: each dial's port is drawn from both.
+    next_dial: AtomicU32,
+    dial_seed: u64,
 }
 
 impl std::fmt::Debug for OwnPorts {
@@ -372,13 +413,18 @@ impl Default for OwnPorts {
         OwnPorts {
             counts: (0..=u16::MAX).map(|_| AtomicU8::new(0)).collect(),
             dials_only: None,
+            next_dial: AtomicU32::new(0),
+            dial_seed: {
+                use std::hash::BuildHasher;
+                std::collections::hash_map::RandomState::new().hash_one(std::process::id())
+            },
         }
     }
 }
 
 impl OwnPorts {
-    /// Ports recorded for `after` past their connect only, not for their connection's life:
-    /// a client of this pod that happens to use such a port later is not taken for one of them.
+    /// Ports of [`DIAL_PORTS`], recorded for `after` past their connect only, not for their
+    /// connection's life: a client of this pod is never taken for one of them.
     pub fn dials_only(after: Duration) -> OwnPorts {
         OwnPorts {
             dials_only: Some(after),

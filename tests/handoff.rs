@@ -52,11 +52,17 @@ enum Endpoints {
     /// Every second new connection to the leaving pod itself, the others to the other pod
     /// (`-m statistic --mode nth`: deterministic, unlike kube-proxy's `random`).
     Alternating,
+    /// Every second new connection to the TCP port to a pod whose proxy resets it at once,
+    /// unread (another leaving pod, without a hand-off of its own), the others to the other pod.
+    ResettingFirst,
 }
+
+/// The pod that resets every connection it is sent.
+const RESETTING_POD: &str = "10.78.0.4";
 
 /// The two pods' addresses and the Service's DNAT rules, for the HTTP and the TCP port.
 fn cluster(endpoints: Endpoints) {
-    for addr in [POD, OTHER_POD] {
+    for addr in [POD, OTHER_POD, RESETTING_POD] {
         run("ip", &["addr", "add", &format!("{addr}/32"), "dev", "lo"]);
     }
     // A route for the ClusterIP, as a node's default route is: a connection to it is routed
@@ -73,10 +79,15 @@ fn cluster(endpoints: Endpoints) {
     for (service_port, pod_port) in [(SERVICE_HTTP, HTTP_PORT), (SERVICE_TCP, TCP_PORT)] {
         let chain = format!("SVC-{service_port}");
         iptables(&format!("-t nat -N {chain}"));
-        if let Endpoints::Alternating = endpoints {
+        let first = match endpoints {
+            Endpoints::OtherOnly => None,
+            Endpoints::Alternating => Some(POD),
+            Endpoints::ResettingFirst => (pod_port == TCP_PORT).then_some(RESETTING_POD),
+        };
+        if let Some(first) = first {
             iptables(&format!(
                 "-t nat -A {chain} -m statistic --mode nth --every 2 --packet 0 -p tcp \
-                 -j DNAT --to-destination {POD}:{pod_port}"
+                 -j DNAT --to-destination {first}:{pod_port}"
             ));
         }
         iptables(&format!(
@@ -113,6 +124,18 @@ fn echo_on(listen: SocketAddr, tag: &'static [u8]) {
     });
 }
 
+/// Accepts every connection at `listen` and resets it, unread, once its first bytes have come:
+/// always after the dialler's connect, while its bytes wait.
+fn resetting_on(listen: SocketAddr) {
+    let listener = TcpListener::bind(listen).unwrap();
+    thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let _ = stream.peek(&mut [0u8; 1]);
+            support::reset_close(stream);
+        }
+    });
+}
+
 /// The app behind the leaving pod's proxy and the other pod, for HTTP and TCP.
 struct Pods {
     app: Backend,
@@ -122,6 +145,7 @@ struct Pods {
 fn pods() -> Pods {
     echo_on("127.0.0.1:19000".parse().unwrap(), b"app:");
     echo_on(addr(OTHER_POD, TCP_PORT), b"other:");
+    resetting_on(addr(RESETTING_POD, TCP_PORT));
     Pods {
         app: Backend::start(),
         other: Backend::start_on(addr(OTHER_POD, HTTP_PORT)),
@@ -363,6 +387,32 @@ fn a_handoff_that_comes_back_to_its_pod_is_dialled_again() {
             app_exited(&mut proxy);
         },
     );
+}
+
+/// A stream whose hand-off the other end resets before any byte comes back (a leaving pod that
+/// refuses it, a proxy that takes it for its own loop) never reached an app: it is dialled
+/// again, its first bytes sent again, and reaches the other pod.
+#[test]
+fn a_handoff_reset_before_any_answer_is_dialled_again() {
+    in_netns("a_handoff_reset_before_any_answer_is_dialled_again", || {
+        let (_pods, _dir, mut proxy) = late(Endpoints::ResettingFirst, "handoff-reset");
+        for round in 0..4 {
+            let payload = format!("stream {round}");
+            let mut expected = b"other:".to_vec();
+            expected.extend_from_slice(payload.as_bytes());
+            assert_eq!(late_stream(payload.as_bytes()), expected);
+        }
+        assert_eq!(
+            proxy.metric("lameduck_handoffs_total{protocol=\"tcp\"}"),
+            4.0
+        );
+        let metrics = proxy.get("/metrics").body;
+        assert!(
+            !metrics.contains("lameduck_handoff_failures_total{protocol=\"tcp\"}"),
+            "no hand-off failed: {metrics}"
+        );
+        app_exited(&mut proxy);
+    });
 }
 
 /// One hop at most, and only what the Services configured take: a late request that another

@@ -41,8 +41,10 @@ const HANDOFF_RETRY_BUDGET: RetryBudget = RetryBudget {
 };
 
 /// How long past its connect a hand-off's port stays recorded: a connection the node sends
-/// back arrives with the handshake (the listener's task accepts it within milliseconds); a
-/// client of the pod that later uses the same port is then never taken for a loop.
+/// back completes its handshake as the dial does, and the listener's task accepts it at once;
+/// a second is that with a wide margin. The ports are not clients' ports (src/net.rs,
+/// `DIAL_PORTS`); another pod's hand-off that arrives from a port this pod dialled from in that
+/// second is taken for a loop and reset unread, and that pod dials again.
 const DIAL_RECORDED: Duration = Duration::from_secs(1);
 
 /// The hand-offs of the pod ports that have one, and what tells their loops apart.

@@ -81,8 +81,8 @@ const HANDOFF_PROBATION: Duration = Duration::from_secs(1);
 const HANDOFF_KEPT: usize = 64 * 1024;
 
 /// Forwards a late connection to the pod's Service (src/proxy/handoff.rs): as [`forward`],
-/// except that a connection the node's Service rules sent back to this pod is dialled again,
-/// with what the client had sent on it.
+/// except that a connection the node's Service rules sent back to this pod, or one reset before
+/// any byte came back, is dialled again, with what the client had sent on it.
 pub async fn hand_off(
     client: TcpStream,
     registration: Registration,
@@ -101,12 +101,15 @@ pub async fn hand_off(
         };
         let (upstream, own_port) = match connected {
             Ok(connected) => connected,
-            // Refused (an endpoint gone), or reset in the handshake (the dial came back here
-            // and was reset before the connect returned): nothing was sent, another draw.
+            // Refused (an endpoint gone), reset in the handshake (the dial came back here and
+            // was reset before the connect returned), or its port still held by an earlier
+            // connection to the same endpoint: nothing was sent, another draw.
             Err((_, error))
                 if matches!(
                     error.kind(),
-                    io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionReset
+                    io::ErrorKind::ConnectionRefused
+                        | io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::AddrNotAvailable
                 ) =>
             {
                 debug!(%error, "the hand-off's dial failed; dialling again");
@@ -126,8 +129,11 @@ pub async fn hand_off(
         drop(own_port);
         handoff.looped(port);
         match verdict {
-            Probation::CameBack => {
-                debug!(port, "the hand-off came back to this pod; dialling again");
+            Probation::Unread => {
+                debug!(
+                    port,
+                    "the hand-off came back to this pod, or was reset unread; dialling again"
+                );
                 continue;
             }
             Probation::Failed(error) => {
@@ -169,8 +175,10 @@ struct Kept {
 
 /// How a handed-off stream's first second went.
 enum Probation {
-    /// Its connection came back to this pod (reset unread): dial again.
-    CameBack,
+    /// Its connection came back to this pod, or the other end reset it before sending a byte
+    /// (a proxy that took it for a loop or refused it late: unread, as HTTP's retry policy
+    /// reads such a reset): dial again.
+    Unread,
     /// Not come back: what the target sent first (maybe nothing), for the client.
     Clear(Vec<u8>),
     /// The client or the target failed otherwise.
@@ -186,9 +194,15 @@ async fn probation(
     kept: &mut Kept,
     came_back: impl Fn() -> bool,
 ) -> Probation {
-    let failed = |error: io::Error| match came_back() {
-        true => Probation::CameBack,
-        false => Probation::Failed(error),
+    let failed = |error: io::Error| {
+        let reset = matches!(
+            error.kind(),
+            io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+        );
+        match came_back() || reset {
+            true => Probation::Unread,
+            false => Probation::Failed(error),
+        }
     };
     if !kept.bytes.is_empty()
         && let Err(error) = write_all(upstream, &kept.bytes).await
@@ -209,7 +223,7 @@ async fn probation(
                     return failed(error);
                 }
                 match upstream.try_read(&mut buf) {
-                    Ok(0) if came_back() => return Probation::CameBack,
+                    Ok(0) if came_back() => return Probation::Unread,
                     Ok(read) => return Probation::Clear(buf[..read].to_vec()),
                     Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
                     Err(error) => return failed(error),
