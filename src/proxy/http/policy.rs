@@ -449,8 +449,10 @@ impl Synthetic {
     }
 
     /// The whole response as HTTP/1.1 bytes (the lane's; hyper writes the same head from
-    /// [`Synthetic::status`] and the body).
-    pub(super) fn write_http1(&self, out: &mut Vec<u8>, close: bool) {
+    /// [`Synthetic::status`] and the body). To a HEAD the head alone (RFC 9110 section 9.3.2:
+    /// a body there would be read as the start of the next response), its `content-length`
+    /// the body's, as hyper writes it.
+    pub(super) fn write_http1(&self, out: &mut Vec<u8>, close: bool, is_head: bool) {
         out.clear();
         out.extend_from_slice(b"HTTP/1.1 ");
         out.extend_from_slice(self.status.as_str().as_bytes());
@@ -465,7 +467,9 @@ impl Synthetic {
         out.extend_from_slice(b"\r\n");
         push_date(out);
         out.extend_from_slice(b"\r\n");
-        out.extend_from_slice(self.body.as_bytes());
+        if !is_head {
+            out.extend_from_slice(self.body.as_bytes());
+        }
     }
 }
 
@@ -582,7 +586,7 @@ mod tests {
     #[test]
     fn a_synthetic_response_reads_the_same_whichever_engine_writes_it() {
         let mut out = Vec::new();
-        Synthetic::bad_response("x", BadResponse::Unreadable).write_http1(&mut out, true);
+        Synthetic::bad_response("x", BadResponse::Unreadable).write_http1(&mut out, true, false);
         let text = String::from_utf8(out).unwrap();
         assert!(text.starts_with("HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\ncontent-length: 33\r\ndate: "), "{text}");
         assert!(

@@ -633,7 +633,7 @@ impl<'a> FastLane<'a> {
     ) -> Outcome {
         let close = request.close || self.ctx.closing();
         in_flight.record_code(self.ctx, answer.status.as_u16());
-        answer.write_http1(&mut self.buf.out, close);
+        answer.write_http1(&mut self.buf.out, close, request.is_head);
         match self.flush(terminate).await {
             Ok(()) => Outcome::Sent {
                 close: close || answer.close,
