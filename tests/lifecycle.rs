@@ -117,6 +117,13 @@ fn lame_duck_period_keeps_accepting_then_refuses() {
         "refused after {at:?}, before the lame-duck period ended"
     );
     eprintln!("lame duck 1500ms: first refusal {at:?} after SIGTERM (polled for {refused:?})");
+    // Draining (two connections still open): `lameduck status` says the listeners are closed.
+    let status = proxy.status();
+    assert!(
+        status.contains("phase:         draining")
+            && status.contains("inbound:       closed to new clients (shutdown), draining"),
+        "{status}"
+    );
 
     drop(held);
     drop(during);

@@ -192,7 +192,15 @@ fn render(admin: SocketAddr, status: &Value, connections: &Value) -> String {
     }
     let quiesce = &status["quiesce"];
     if quiesce.is_null() {
-        let _ = writeln!(out, "inbound:       serving");
+        // What the inbound listeners do now: a SIGTERM's drain closes them too.
+        let inbound = match status["phase"].as_str() {
+            Some("lame_duck") => "still accepting (lame duck), asking each connection to go away",
+            Some("draining" | "terminating") => {
+                "closed to new clients (shutdown), draining what is open"
+            }
+            _ => "serving",
+        };
+        let _ = writeln!(out, "inbound:       {inbound}");
     } else {
         let _ = writeln!(
             out,
@@ -272,4 +280,33 @@ fn render(admin: SocketAddr, status: &Value, connections: &Value) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each line says what is true: during a SIGTERM's lame duck and drain the inbound
+    /// listeners are not "serving" (issue: `phase: draining` above `inbound: serving`).
+    #[test]
+    fn the_inbound_line_follows_the_shutdown() {
+        let admin: SocketAddr = "127.0.0.1:4191".parse().unwrap();
+        let inbound = |phase: &str| {
+            let status = serde_json::json!({"phase": phase, "ready": false, "quiesce": null,
+                "shutdown": null, "lame_duck": {}, "late_connections": {}});
+            render(admin, &status, &serde_json::json!([]))
+                .lines()
+                .find(|line| line.starts_with("inbound:"))
+                .unwrap()
+                .to_string()
+        };
+        assert_eq!(inbound("serving"), "inbound:       serving");
+        assert!(inbound("lame_duck").contains("still accepting (lame duck)"));
+        for phase in ["draining", "terminating"] {
+            assert!(
+                inbound(phase).contains("closed to new clients (shutdown), draining"),
+                "{phase}"
+            );
+        }
+    }
 }
