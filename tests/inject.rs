@@ -1081,3 +1081,23 @@ fn services_in_the_stream_give_the_pod_its_handoff() {
         "{err}"
     );
 }
+
+/// A workload under an API version Kubernetes no longer serves (a `batch/v1beta1` CronJob,
+/// removed in 1.25) is passed through as it is, with a note saying why it has no proxy; a kind
+/// of the same name in another API group is someone else's, and passes without one.
+#[test]
+fn a_workload_of_a_removed_api_version_is_left_with_a_note() {
+    let input = "apiVersion: batch/v1beta1\nkind: CronJob\nmetadata: {name: nightly}\nspec:\n  schedule: \"0 1 * * *\"\n  jobTemplate:\n    spec:\n      template:\n        spec:\n          containers: [{name: job, image: job:1}]\n          restartPolicy: Never\n---\napiVersion: extensions/v1beta1\nkind: Deployment\nmetadata: {name: old, namespace: shop}\nspec:\n  template:\n    spec:\n      containers: [{name: web, image: web:1}]\n---\napiVersion: example.com/v1\nkind: Job\nmetadata: {name: custom}\nspec: {}\n";
+    let (code, out, err) = support::inject(input, &[]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, input, "passed through byte for byte");
+    assert!(
+        err.contains("CronJob default/nightly: not injected: batch/v1beta1 CronJob is no longer served by Kubernetes (batch/v1 since Kubernetes 1.25)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("Deployment shop/old: not injected: extensions/v1beta1 Deployment is no longer served by Kubernetes (apps/v1 since Kubernetes 1.16)"),
+        "{err}"
+    );
+    assert!(!err.contains("custom"), "{err}");
+}

@@ -212,6 +212,21 @@ const WORKLOADS: [(&str, &str); 8] = [
     ("batch/v1", "CronJob"),
 ];
 
+/// For a workload kind under an API version Kubernetes removed, the version that serves it
+/// now and the release that removed the old one (`None`: not one of those).
+fn removed_version(api_version: &str, kind: &str) -> Option<&'static str> {
+    let removed_in = match (api_version, kind) {
+        ("batch/v1beta1" | "batch/v2alpha1", "CronJob") => "batch/v1 since Kubernetes 1.25",
+        ("extensions/v1beta1", "Deployment" | "DaemonSet" | "ReplicaSet")
+        | (
+            "apps/v1beta1" | "apps/v1beta2",
+            "Deployment" | "StatefulSet" | "DaemonSet" | "ReplicaSet",
+        ) => "apps/v1 since Kubernetes 1.16",
+        _ => return None,
+    };
+    Some(removed_in)
+}
+
 /// Injects one document (a workload, a pod, or a list of them) in place; others are left as
 /// they are. The admission webhook injects the pods it is sent with this too.
 pub fn inject_document(
@@ -253,6 +268,12 @@ fn inject_object(
         return Ok(());
     }
     if !WORKLOADS.contains(&(api_version, kind)) {
+        if let Some(served) = removed_version(api_version, kind) {
+            notes.push(Object::of(kind, document).note(format!(
+                "not injected: {api_version} {kind} is no longer served by Kubernetes \
+                 ({served}); kubectl apply will refuse it as it is"
+            )));
+        }
         return Ok(());
     }
     let object = Object::of(kind, document);
