@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use rustls::client::danger::ServerCertVerifier as _;
+use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{Value, json};
 use support::{BIN, PATIENCE};
@@ -608,11 +609,11 @@ fn the_manifests_decode_as_kubernetes_objects_and_select_only_what_they_should()
     let ca_pem = b64(&hooks[0]["clientConfig"]["caBundle"]);
     let secret = of_kind(&documents, "Secret");
     let cert_pem = b64(&secret["data"]["tls.crt"]);
-    let ca = rustls_pemfile::certs(&mut &ca_pem[..])
+    let ca = CertificateDer::pem_slice_iter(&ca_pem)
         .next()
         .unwrap()
         .unwrap();
-    let cert = rustls_pemfile::certs(&mut &cert_pem[..])
+    let cert = CertificateDer::pem_slice_iter(&cert_pem)
         .next()
         .unwrap()
         .unwrap();
@@ -782,7 +783,7 @@ fn the_webhook_serves_with_the_certificate_the_manifests_generate() {
     );
     let webhook = start(dir.path(), &[]);
     let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls_pemfile::certs(&mut &ca_pem[..]) {
+    for cert in CertificateDer::pem_slice_iter(&ca_pem) {
         roots.add(cert.unwrap()).unwrap();
     }
     let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(

@@ -18,6 +18,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt as _, Empty, Limited};
 use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
+use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 
 use crate::commands::inject::{self, Service};
@@ -78,7 +79,7 @@ impl Api {
             format!("cannot read the API server's CA {}: {error}", ca.display())
         })?;
         let mut roots = rustls::RootCertStore::empty();
-        for cert in rustls_pemfile::certs(&mut &pem[..]) {
+        for cert in CertificateDer::pem_slice_iter(&pem) {
             let cert: CertificateDer<'static> =
                 cert.map_err(|error| format!("{}: not PEM certificates: {error}", ca.display()))?;
             roots

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use rustls::crypto::ring::sign::any_supported_type;
+use rustls::pki_types::pem::{self, PemObject};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
@@ -22,15 +23,17 @@ pub fn load(cert: &Path, key: &Path) -> Result<Arc<CertifiedKey>, String> {
     let read = |path: &Path| {
         fs::read(path).map_err(|error| format!("cannot read {}: {error}", path.display()))
     };
-    let chain: Vec<CertificateDer<'static>> = rustls_pemfile::certs(&mut &read(cert)?[..])
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&read(cert)?)
         .collect::<Result<_, _>>()
         .map_err(|error| format!("{}: not PEM certificates: {error}", cert.display()))?;
     if chain.is_empty() {
         return Err(format!("{}: no certificate in it", cert.display()));
     }
-    let key: PrivateKeyDer<'static> = rustls_pemfile::private_key(&mut &read(key)?[..])
-        .map_err(|error| format!("{}: not a PEM key: {error}", key.display()))?
-        .ok_or_else(|| format!("{}: no private key in it", key.display()))?;
+    let key: PrivateKeyDer<'static> =
+        PrivateKeyDer::from_pem_slice(&read(key)?).map_err(|error| match error {
+            pem::Error::NoItemsFound => format!("{}: no private key in it", key.display()),
+            error => format!("{}: not a PEM key: {error}", key.display()),
+        })?;
     let signing =
         any_supported_type(&key).map_err(|error| format!("unsupported private key: {error}"))?;
     let certified = CertifiedKey::new(chain, signing);
