@@ -320,6 +320,72 @@ impl Running {
     /// Runs the drain sequence until every connection has closed, the grace period runs out,
     /// or a second signal asks to stop now.
     async fn shut_down(&self, reason: ShutdownReason, signals: &mut ShutdownSignals) -> Exit {
+        let (exit, ending) = self.drain_until_done(reason, signals).await;
+        if let Some(path) = &self.config.termination_log {
+            let message = self.termination_message(reason, &ending);
+            // The kubelet reads at most 4096 bytes of it.
+            let message = &message[..floor_char_boundary(&message, 4096)];
+            if let Err(error) = std::fs::write(path, message) {
+                warn!(path = %path.display(), %error, "cannot write the termination message");
+            }
+        }
+        exit
+    }
+
+    /// What `kubectl describe pod` shows of the proxy's exit: how its shutdown ended, how long
+    /// it took, the lame duck, the late connections, and what was reset.
+    fn termination_message(&self, reason: ShutdownReason, ending: &Ending) -> String {
+        let took = self
+            .drain
+            .started_at()
+            .map_or(Duration::ZERO, |(started, _)| started.elapsed());
+        let seconds = |duration: Duration| format!("{:.1} s", duration.as_secs_f64());
+        let mut message = match ending {
+            Ending::Drained => format!(
+                "lameduck: shutdown by {reason}: drained in {}",
+                seconds(took)
+            ),
+            Ending::Reset { why, survivors } => format!(
+                "lameduck: shutdown by {reason}: {why} after {}; {} connections reset{}",
+                seconds(took),
+                survivors.len(),
+                match survivors.first() {
+                    Some(first) => format!(", the first: {first}"),
+                    None => String::new(),
+                }
+            ),
+        };
+        message.push_str(&format!(
+            " (grace period {})",
+            humantime::format_duration(self.config.shutdown_grace_period)
+        ));
+        let lame_duck = self.lame_duck.status();
+        if let Some(lasted) = lame_duck["lasted_ms"].as_u64() {
+            message.push_str(&format!(
+                "; lame duck {} ({})",
+                seconds(Duration::from_millis(lasted)),
+                lame_duck["ended"].as_str().unwrap_or("ended"),
+            ));
+        }
+        let inbound = self.drain.side(Direction::Inbound);
+        let (late, _) = inbound.late();
+        if late > 0 {
+            let (handed_off, _) = inbound.handoffs();
+            message.push_str(&format!(
+                "; {late} late connections ({handed_off} handed off to the Service, {} refused)",
+                late - handed_off
+            ));
+        }
+        message.push('\n');
+        message
+    }
+
+    /// Runs the drain and returns how the process ends, and how the drain did.
+    async fn drain_until_done(
+        &self,
+        reason: ShutdownReason,
+        signals: &mut ShutdownSignals,
+    ) -> (Exit, Ending) {
         let (drain, config) = (&self.drain, &self.config);
         let (started, _) = drain
             .started_at()
@@ -357,20 +423,22 @@ impl Running {
                 // The last connection closed.
                 () = &mut sequence => {
                     info!(elapsed_ms = started.elapsed().as_millis() as u64, "drained: every connection closed, exiting");
-                    return Exit::Graceful;
+                    return (Exit::Graceful, Ending::Drained);
                 }
                 // The grace period ran out.
                 () = tokio::time::sleep_until(deadline.into()) => {
-                    self.force_close("the grace period ran out").await;
-                    return Exit::Graceful;
+                    let why = "the grace period ran out";
+                    let survivors = self.force_close(why).await;
+                    return (Exit::Graceful, Ending::Reset { why, survivors });
                 }
                 // Never resolves: it opens the close-spread window when its time comes.
                 () = &mut spread => {}
                 // A second SIGTERM or SIGINT: stop now.
                 signal = signals.next() => {
                     warn!(signal = signal_name(signal), "second shutdown signal: stopping now");
-                    self.force_close("a second signal asked to stop now").await;
-                    return Exit::Forced(signal);
+                    let why = "a second signal asked to stop now";
+                    let survivors = self.force_close(why).await;
+                    return (Exit::Forced(signal), Ending::Reset { why, survivors });
                 }
                 // Time to tell the operator how the drain is going.
                 _ = progress.tick() => {
@@ -388,7 +456,7 @@ impl Running {
 
     /// Resets every connection still open, then names each in the log (reset first: the lines
     /// of thousands of survivors must not delay their resets).
-    async fn force_close(&self, why: &str) {
+    async fn force_close(&self, why: &str) -> Vec<String> {
         self.drain.set_phase(Phase::Terminating);
         let survivors = self.conns.snapshot();
         warn!(
@@ -405,7 +473,28 @@ impl Running {
         if closed.is_err() {
             warn!("some connection tasks did not finish in time; exiting anyway");
         }
+        survivors.iter().map(|conn| conn.describe()).collect()
     }
+}
+
+/// How a drain ended.
+enum Ending {
+    /// Every connection closed by itself.
+    Drained,
+    /// The rest was reset: why, and those reset.
+    Reset {
+        why: &'static str,
+        survivors: Vec<String>,
+    },
+}
+
+/// The longest prefix of `text` of at most `max` bytes that ends on a character boundary.
+fn floor_char_boundary(text: &str, max: usize) -> usize {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    end
 }
 
 /// Lame duck, then close the listeners, then wait until every connection has closed, and while

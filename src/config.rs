@@ -157,6 +157,12 @@ pub struct ProxyArgs {
     #[arg(long, value_name = "PORT=HOST:PORT,...")]
     pub handoff: Option<String>,
 
+    /// Where the proxy writes how its shutdown ended, as it exits: Kubernetes shows it as the
+    /// container's termination message (`kubectl describe pod`); `lameduck inject` sets
+    /// /dev/termination-log [env: LAMEDUCK_TERMINATION_LOG] [default: none]
+    #[arg(long, value_name = "PATH")]
+    pub termination_log: Option<String>,
+
     /// The pod's address, to which the app probes go as the kubelet's went
     /// [env: LAMEDUCK_POD_IP] [default: 127.0.0.1]
     #[arg(long, value_name = "IP")]
@@ -434,6 +440,8 @@ pub struct Config {
     pub app_probes: AppProbes,
     /// Where late connections go, by the pod port they addressed.
     pub handoffs: Handoffs,
+    /// Where the exit's summary goes (the container's termination message), if anywhere.
+    pub termination_log: Option<PathBuf>,
     /// Where the app probes go (the kubelet sent them to the pod's address).
     pub pod_ip: IpAddr,
     pub connect_timeout: Duration,
@@ -623,6 +631,11 @@ const HANDOFF: Setting = Setting {
     flag: "--handoff",
     var: "LAMEDUCK_HANDOFF",
     example: "8080=web.shop.svc.cluster.local:80",
+};
+const TERMINATION_LOG: Setting = Setting {
+    flag: "--termination-log",
+    var: "LAMEDUCK_TERMINATION_LOG",
+    example: "/dev/termination-log",
 };
 const POD_IP: Setting = Setting {
     flag: "--pod-ip",
@@ -937,6 +950,13 @@ impl Config {
             }
             None => Handoffs::default(),
         };
+        let termination_log = match lookup(&TERMINATION_LOG, args.termination_log)? {
+            Some(raw) if raw.value.trim().is_empty() => {
+                return Err(raw.error("expected a file path", TERMINATION_LOG.example));
+            }
+            Some(raw) => Some(PathBuf::from(raw.value.trim())),
+            None => None,
+        };
         let pod_ip = match lookup(&POD_IP, args.pod_ip)? {
             Some(raw) => raw
                 .value
@@ -1063,6 +1083,7 @@ impl Config {
             drain_socket,
             app_probes,
             handoffs,
+            termination_log,
             pod_ip,
             connect_timeout,
             http,

@@ -87,7 +87,8 @@ fn main() {
     let first = std::env::args_os().nth(1);
     let tool = first.as_deref().and_then(|arg| arg.to_str());
     // Every subcommand but the proxy's own is a tool (clap's derived lookup: no list to keep).
-    if tool.is_some_and(|arg| arg != "proxy" && <Command as clap::Subcommand>::has_subcommand(arg)) {
+    if tool.is_some_and(|arg| arg != "proxy" && <Command as clap::Subcommand>::has_subcommand(arg))
+    {
         std::process::exit(run_tool());
     }
     // Signal handlers first, before configuration is read or a socket bound: as PID 1 a

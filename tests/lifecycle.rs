@@ -719,3 +719,52 @@ fn connections_waiting_in_the_accept_queue_are_served_not_reset() {
     drop(queued);
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
+
+/// The exit's summary goes where Kubernetes shows it (`--termination-log`, the container's
+/// termination message in `kubectl describe pod`): how the shutdown ended, how long it took,
+/// and what was reset.
+#[test]
+fn the_exit_summary_is_written_as_the_termination_message() {
+    let dir = std::env::temp_dir().join(format!("lameduck-termlog-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("termination-log");
+    let log_flag = format!("--termination-log={}", log.display());
+    let echo = EchoServer::start();
+
+    // Drained: nothing open.
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &echo.route("127.0.0.1:0"),
+        "--shutdown-grace-period=10s",
+        &log_flag,
+    ]);
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+    let message = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        message.starts_with("lameduck: shutdown by SIGTERM: drained in ")
+            && message.contains("(grace period 10s)"),
+        "{message}"
+    );
+
+    // The grace period ran out with a TCP stream open: it was reset, and the message names it.
+    let mut proxy = Proxy::start(&[
+        "--inbound",
+        &echo.route("127.0.0.1:0"),
+        "--shutdown-grace-period=1s",
+        "--close-spread-window=0s",
+        &log_flag,
+    ]);
+    let held = echo_connect(proxy.inbound[0]);
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+    let message = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        message.contains("shutdown by SIGTERM: the grace period ran out after")
+            && message.contains("1 connections reset, the first: id=")
+            && message.contains("protocol=tcp"),
+        "{message}"
+    );
+    drop(held);
+    let _ = std::fs::remove_dir_all(&dir);
+}

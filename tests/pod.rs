@@ -410,6 +410,13 @@ fn delete_under_load(tag: &str, mode: &str, native: bool, intercept: bool) {
         "{tag}: the proxy took {:?} after its SIGTERM",
         proxy_exited - proxy_signalled
     );
+    // What `kubectl describe pod` shows of the proxy's exit: its termination message.
+    let message = pod.termination_message("lameduck-proxy");
+    assert!(
+        message.starts_with("lameduck: shutdown by SIGTERM: drained in ")
+            && message.contains("; lame duck "),
+        "{tag}: the proxy's termination message: {message:?}\n{timeline}"
+    );
     if mode == "graceful" {
         // Its last call went through the outbound route during its own shutdown.
         assert!(

@@ -117,6 +117,8 @@ const IMAGE_BINARY: &str = "/usr/local/bin/lameduck";
 const SHARED_DIR: &str = "/lameduck";
 const SHARED_BINARY: &str = "/lameduck/lameduck";
 const SHARED_SOCKET: &str = "/lameduck/drain.sock";
+/// The container's termination message, as the kubelet mounts it (`terminationMessagePath`).
+const TERMINATION_LOG: &str = "/dev/termination-log";
 const SHARED_VOLUME: &str = "lameduck-bin";
 const INSTALL_NAME: &str = "lameduck-install";
 const FIRST_INBOUND_PORT: u16 = 4143;
@@ -946,6 +948,8 @@ fn proxy_container(
         ));
     }
     env.push(env_var("LAMEDUCK_DRAIN_SOCKET", SHARED_SOCKET));
+    // How its shutdown ended, where `kubectl describe pod` shows it.
+    env.push(env_var("LAMEDUCK_TERMINATION_LOG", TERMINATION_LOG));
     if let Some(app_probes) = app_probes {
         // The app's probes, which the kubelet now sends to the admin port, go to the pod's
         // address as the kubelet's did.
@@ -1002,6 +1006,11 @@ fn proxy_container(
         container.insert("restartPolicy".into(), "Always".into());
     }
     container.insert("ports".into(), Value::Sequence(ports));
+    // The summary it writes; should it die without one, the end of its log.
+    container.insert(
+        "terminationMessagePolicy".into(),
+        "FallbackToLogsOnError".into(),
+    );
     container.insert("env".into(), Value::Sequence(env));
     container.insert(
         "volumeMounts".into(),

@@ -7,7 +7,9 @@
 //!   namespace per container: a path under one of the container's `mountPath`s, in its
 //!   command, args, env values and hook commands, is translated to the volume's folder, and a
 //!   path the image holds (`/usr/local/bin/lameduck`) to the file the test gives for it.
-//!   Nothing else of the spec is rewritten. Environment values come from `value`, or from the
+//!   The termination message path (`/dev/termination-log`) is a file of the container's own
+//!   ([`Pod::termination_message`]), as the kubelet bind-mounts one. Nothing else of the spec
+//!   is rewritten. Environment values come from `value`, or from the
 //!   downward API's `status.hostIP` ([`HOST_IP`]) and `status.podIP` ([`Pod::set_ip`]; loopback
 //!   until set).
 //! - Each container is the init of a PID namespace of its own, and its hooks run inside it
@@ -39,6 +41,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+
+/// Where a container finds its termination message file (`terminationMessagePath`'s default).
+const TERMINATION_MESSAGE_PATH: &str = "/dev/termination-log";
 
 /// What an image holds: the entrypoint, and files at fixed paths.
 #[derive(Clone)]
@@ -223,6 +228,26 @@ impl Pod {
         )
     }
 
+    /// Where a container's termination message is (made, writable by any user, on first ask).
+    fn termination_message_file(&self, container: &Value) -> PathBuf {
+        let file = self.dir.join(format!(
+            "{}.termination-log",
+            container["name"].as_str().unwrap_or("?")
+        ));
+        if !file.exists() {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::write(&file, "").unwrap();
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o666)).unwrap();
+        }
+        file
+    }
+
+    /// What `kubectl describe pod` would show as the container's termination message.
+    pub fn termination_message(&self, container: &str) -> String {
+        let file = self.dir.join(format!("{container}.termination-log"));
+        std::fs::read_to_string(file).unwrap_or_default()
+    }
+
     /// A path as the container sees it, translated to where it is on this machine.
     fn translate(&self, container: &Value, value: &str) -> String {
         for mount in container["volumeMounts"].as_array().into_iter().flatten() {
@@ -233,6 +258,14 @@ impl Pod {
                 let volume = &self.volumes[mount["name"].as_str().unwrap()];
                 return format!("{}{rest}", volume.display());
             }
+        }
+        // The kubelet bind-mounts a file of the container's own at its termination message
+        // path, and reads it once the container has exited.
+        if value == TERMINATION_MESSAGE_PATH {
+            return self
+                .termination_message_file(container)
+                .display()
+                .to_string();
         }
         let image = &self.images[container["image"].as_str().unwrap()];
         for (path, file) in &image.files {
@@ -279,6 +312,10 @@ impl Pod {
                             script.push_str(&format!("mount --bind '{dir}' '{dir}' && "));
                         }
                     }
+                    // So does its termination message (the kubelet's mount of it).
+                    let message = self.termination_message_file(container);
+                    let message = message.display();
+                    script.push_str(&format!("mount --bind '{message}' '{message}' && "));
                     script.push_str("mount -o remount,bind,ro / && exec \"$0\" \"$@\"");
                     unshare.extend(["--mount", "--", "sh", "-c"].map(String::from));
                     unshare.push(script);
