@@ -1101,3 +1101,43 @@ fn a_workload_of_a_removed_api_version_is_left_with_a_note() {
     );
     assert!(!err.contains("custom"), "{err}");
 }
+
+/// A flow collection closed on a line of its own, no deeper than its key (Elastic's filebeat
+/// DaemonSet writes `args: [` ... `]` so): kubectl reads it, and so does inject, every document
+/// of the stream, the bytes of those it leaves alone unchanged.
+#[test]
+fn flow_collections_closed_at_their_keys_indentation_read_as_kubectl_reads_them() {
+    let input = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: settings}\ndata: {\n  level: debug\n}\n---\napiVersion: apps/v1\nkind: DaemonSet\nmetadata: {name: shipper}\nspec:\n  selector: {matchLabels: {app: shipper}}\n  template:\n    metadata: {labels: {app: shipper}}\n    spec:\n      containers:\n      - name: shipper\n        image: shipper:1\n        args: [\n          \"-c\", \"/etc/shipper.yml\",\n          \"-e\",\n        ]\n        resources: {\n          limits: {memory: 200Mi}\n        }\n";
+    let (code, out, err) = support::inject(input, &[]);
+    assert_eq!(code, 0, "{err}");
+    let first = input.split("---\n").next().unwrap();
+    assert!(
+        out.starts_with(first),
+        "the ConfigMap came out changed:\n{out}"
+    );
+    let docs: Vec<serde_json::Value> = serde_norway::Deserializer::from_str(&out)
+        .map(|doc| {
+            use serde::Deserialize;
+            serde_json::to_value(serde_norway::Value::deserialize(doc).unwrap()).unwrap()
+        })
+        .collect();
+    let shipper = &docs[1]["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(
+        shipper["args"],
+        serde_json::json!(["-c", "/etc/shipper.yml", "-e"])
+    );
+    assert_eq!(shipper["resources"]["limits"]["memory"], "200Mi");
+    assert!(out.contains("name: lameduck-proxy"), "{out}");
+    check_with_kubectl(&out, &kubectl::clients()[..1]);
+    // And kubectl reads the input the same way.
+    if let Some(kubectl) = kubectl::newest() {
+        let (typed, _) = kubectl::read(
+            &kubectl,
+            input,
+            &["set", "resources", "--local", "--limits=cpu=1"],
+        )
+        .unwrap();
+        let theirs = &typed[0]["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(theirs["args"], shipper["args"]);
+    }
+}

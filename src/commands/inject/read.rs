@@ -86,33 +86,29 @@ pub fn stream(input: &str) -> Result<Stream, ReadError> {
     if !text.is_empty() && !text.ends_with('\n') {
         text.push('\n');
     }
-    let mut loader = Loader {
-        parser: Parser::new_from_str(&text),
-        anchors: HashMap::new(),
-        aliased: 0,
-        document: 0,
-    };
-    let mut read = Vec::new();
-    loop {
-        let (event, mark) = loader.next()?;
-        match event {
-            Event::StreamStart => {}
-            Event::StreamEnd => break,
-            Event::DocumentStart => {
-                loader.document += 1;
-                loader.anchors.clear();
-                let (event, mark_node) = loader.next()?;
-                let value = loader.node(event, mark_node, 0)?;
-                match loader.next()? {
-                    (Event::DocumentEnd, _) => {}
-                    (other, at) => return Err(loader.error(at, format!("unexpected {other:?}"))),
+    // A flow collection's closing bracket on a line of its own, indented no deeper than the
+    // key it belongs to (Elastic's filebeat manifests write `args: [` ... `]` so): go-yaml reads
+    // it, yaml-rust2's scanner calls it invalid indentation. Inside a flow collection a line
+    // break is only white space, so such a bracket is read as the end of the line before it:
+    // the line break becomes a space (same length: every offset stays), one bracket at a time,
+    // only where the scanner stopped. What is written back is the text as it came.
+    let mut parsed = text.clone();
+    let mut first_error = None;
+    let read = loop {
+        match parse(&parsed) {
+            Ok(read) => break read,
+            // Each turn joins one line break (fewer every time): this ends.
+            Err(error) => match closer_line_break(&parsed, &error) {
+                Some(at) => {
+                    first_error.get_or_insert(error);
+                    parsed.replace_range(at..at + 1, " ");
                 }
-                read.push((mark.index(), value));
-            }
-            other => return Err(loader.error(mark, format!("unexpected {other:?}"))),
+                None => return Err(first_error.unwrap_or(error)),
+            },
         }
-    }
+    };
     let starts = byte_offsets(&text, read.iter().map(|(start, _)| *start));
+
     let mut documents = Vec::new();
     let line_start = |at: usize| text[..at].rfind('\n').map_or(0, |newline| newline + 1);
     for (index, (_, value)) in read.into_iter().enumerate() {
@@ -130,6 +126,56 @@ pub fn stream(input: &str) -> Result<Stream, ReadError> {
         });
     }
     Ok(Stream { text, documents })
+}
+
+/// Every document of `text`: where it starts (a character index) and its value.
+fn parse(text: &str) -> Result<Vec<(usize, Value)>, ReadError> {
+    let mut loader = Loader {
+        parser: Parser::new_from_str(text),
+        anchors: HashMap::new(),
+        aliased: 0,
+        document: 0,
+    };
+    let mut read = Vec::new();
+    loop {
+        let (event, mark) = loader.next()?;
+        match event {
+            Event::StreamStart => {}
+            Event::StreamEnd => return Ok(read),
+            Event::DocumentStart => {
+                loader.document += 1;
+                loader.anchors.clear();
+                let (event, mark_node) = loader.next()?;
+                let value = loader.node(event, mark_node, 0)?;
+                match loader.next()? {
+                    (Event::DocumentEnd, _) => {}
+                    (other, at) => return Err(loader.error(at, format!("unexpected {other:?}"))),
+                }
+                read.push((mark.index(), value));
+            }
+            other => return Err(loader.error(mark, format!("unexpected {other:?}"))),
+        }
+    }
+}
+
+/// Where the scanner stopped at a flow collection's closing bracket for its indentation: the
+/// byte offset of the line break before it, when the bracket begins its line and the line
+/// before holds no comment (which the bracket would then be part of).
+fn closer_line_break(text: &str, error: &ReadError) -> Option<usize> {
+    if error.message != "invalid indentation" || error.line < 2 {
+        return None;
+    }
+    let mut lines = text.split_inclusive('\n');
+    let before = lines.by_ref().take(error.line - 1).collect::<Vec<_>>();
+    let line = lines.next()?;
+    let (indent, rest) = line.split_at(line.len() - line.trim_start_matches([' ', '\t']).len());
+    let previous = before.last()?;
+    let closes = rest.starts_with([']', '}']) && indent.chars().count() + 1 == error.column;
+    if !closes || previous.contains('#') {
+        return None;
+    }
+    let line_start: usize = before.iter().map(|line| line.len()).sum();
+    Some(line_start - 1)
 }
 
 /// The byte offsets of ascending character indexes (the parser counts characters).
