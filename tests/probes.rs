@@ -70,6 +70,7 @@ fn an_http_probe_answers_what_the_app_answered() {
         _ => (String::new(), After::Hang),
     });
     let port = app.addr.port();
+    let closed = support::closed_port();
     let get = |path: &str| {
         format!(
             r#"{{"httpGet": {{"path": "{path}", "port": {port},
@@ -89,7 +90,7 @@ fn an_http_probe_answers_what_the_app_answered() {
         looping = get("/loop"),
         hang = get("/hang"),
         gone = r#"{"httpGet": {"path": "/", "port": PORT}}"#
-            .replace("PORT", &support::closed_port().port().to_string()),
+            .replace("PORT", &closed.addr.port().to_string()),
     );
     let proxy = prober(&probes, &[]);
     let ready = kubelet_get(&proxy, "/app-health/app/readyz");

@@ -362,9 +362,12 @@ async fn serve(
     };
     // A late connection came after its listeners closed: its client is waited for as on an
     // open listener (a server-speaks-first protocol is opaque TCP at the detection timeout).
-    let never = Watch::never();
+    let never;
     let listeners_closed = match proxy_route.handoff {
-        Some(_) => &never,
+        Some(_) => {
+            never = Watch::never();
+            &never
+        }
         None => &tokens.listeners_closed,
     };
     let detected = tokio::select! {

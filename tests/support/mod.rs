@@ -627,12 +627,26 @@ pub fn fd_count(pid: i32) -> usize {
         .unwrap_or(0)
 }
 
-/// A port that nobody listens on (bound, then closed): connecting to it is refused.
-pub fn closed_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+/// A port that nobody listens on: connecting to it is refused for as long as the guard lives.
+/// The port stays bound (a socket that never listens), so that no other test's listener can
+/// take it meanwhile (a port merely released could become a silent target's).
+pub struct ClosedPort {
+    _held: socket2::Socket,
+    pub addr: SocketAddr,
+}
+
+impl std::fmt::Display for ClosedPort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.addr.fmt(f)
+    }
+}
+
+pub fn closed_port() -> ClosedPort {
+    let held = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    held.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    let addr = held.local_addr().unwrap().as_socket().unwrap();
+    ClosedPort { _held: held, addr }
 }
 
 /// A target that accepts and then neither reads, writes nor closes (keep the listener).
