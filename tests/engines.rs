@@ -123,6 +123,10 @@ fn script(path: &str) -> (String, After) {
             keep,
         ),
         "/connection-date" => (ok("connection: date\r\ncontent-length: 2\r\n\r\nok"), keep),
+        "/connection-length" => (
+            ok("connection: content-length\r\ncontent-length: 5\r\n\r\nhello"),
+            keep,
+        ),
         "/many-tokens" => {
             let names: Vec<String> = (1..=10).map(|i| format!("x-h{i}")).collect();
             let headers: String = names.iter().map(|name| format!("{name}: v\r\n")).collect();
@@ -339,6 +343,7 @@ fn cases() -> Vec<Case> {
         "/switch",
         "/no-date",
         "/connection-date",
+        "/connection-length",
         "/many-tokens",
         "/hop-by-hop",
         "/te-trailers",
@@ -378,6 +383,7 @@ fn cases() -> Vec<Case> {
         "/cut-head",
         "/dead",
         "/slow",
+        "/connection-length",
     ] {
         cases.push(Case {
             name: Box::leak(format!("HEAD {path}").into_boxed_str()),
@@ -784,6 +790,11 @@ fn the_answers_are_the_policys() {
     });
     check("/connection-date", "a Date all the same", &|o| {
         header(&first(o), "date").is_some()
+    });
+    // A header the message's framing needs is never hop-by-hop (HAProxy keeps it too).
+    check("/connection-length", "the length all the same", &|o| {
+        let answer = first(o);
+        header(&answer, "content-length").as_deref() == Some("5") && answer.body == "hello"
     });
     check("/many-tokens", "every named header gone", &|o| {
         let answer = first(o);

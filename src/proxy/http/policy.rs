@@ -3,7 +3,8 @@
 //! engine reads the message its own way and asks this module what to do with it, so the
 //! behaviour cannot drift apart (tests/engines.rs sends the same requests through both).
 //!
-//! - which headers concern one hop only ([`role`], [`names_a_header`]): never `Host`;
+//! - which headers concern one hop only ([`role`], [`names_a_header`]): never `Host` nor
+//!   `Content-Length`;
 //! - which responses are refused with a 502 ([`BadResponse`]): an unasked `101`, a length that
 //!   is no number or two that differ, a transfer coding other than one `chunked`;
 //! - how a response is framed for the client ([`keeps_length`], [`target_may_reuse`]) and
@@ -91,13 +92,16 @@ pub(super) fn is_hop_by_hop(role: Role) -> bool {
 }
 
 /// Whether a `Connection` token names a header that must go too: not the connection options
-/// `close` and `keep-alive`, and never `Host`, which would make the target see another host
-/// than the client's (an app's Host-based "local only" check defeated). Any number of tokens.
+/// `close` and `keep-alive`, never `Host`, which would make the target see another host than
+/// the client's (an app's Host-based "local only" check defeated), and never `Content-Length`,
+/// which the message's framing needs (a response to HEAD lost its length through hyper's path;
+/// HAProxy keeps it too). Any number of tokens.
 #[inline]
 pub(super) fn names_a_header(token: &[u8]) -> bool {
     !token.eq_ignore_ascii_case(b"close")
         && !token.eq_ignore_ascii_case(b"keep-alive")
         && !token.eq_ignore_ascii_case(b"host")
+        && !token.eq_ignore_ascii_case(b"content-length")
 }
 
 /// The comma-separated tokens of a header value, trimmed, empty ones left out.
@@ -493,6 +497,7 @@ mod tests {
     #[test]
     fn connection_never_names_host_and_any_number_of_tokens_is_read() {
         assert!(!names_a_header(b"Host"));
+        assert!(!names_a_header(b"Content-Length"));
         assert!(!names_a_header(b"close"));
         assert!(names_a_header(b"x-secret"));
         let value = b"a, b,, c ,d,e,f,g,h,i,j";
