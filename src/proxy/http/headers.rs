@@ -46,6 +46,19 @@ pub(super) fn check_response(
         // Forwarded, it would make the client take the connection for another protocol's.
         return Err(BadResponse::UnaskedSwitch);
     }
+    // The head as it came (hyper's own bound on it is its read buffer's, looser): status line,
+    // `name: value` lines, the empty line.
+    let head: usize = response
+        .headers()
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum::<usize>()
+        + 16
+        + response.status().canonical_reason().map_or(0, str::len)
+        + 2;
+    if head > policy::MAX_RESPONSE_HEAD {
+        return Err(BadResponse::HeadTooLarge);
+    }
     let has_body = policy::has_body(request_is_head, response.status().as_u16());
     let headers = response.headers_mut();
     if has_body && headers.contains_key(TRANSFER_ENCODING) {

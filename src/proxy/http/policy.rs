@@ -152,7 +152,13 @@ pub(super) enum BadResponse {
     /// A transfer coding other than one `chunked`: the coded bytes would reach the client as
     /// the content (HAProxy's rule).
     TransferCoding,
+    /// A head larger than [`MAX_RESPONSE_HEAD`].
+    HeadTooLarge,
 }
+
+/// The largest response head either engine forwards (hyper's client's default buffer; HAProxy
+/// refuses such heads too): 408 KiB, its status line, header lines and the empty line.
+pub(super) const MAX_RESPONSE_HEAD: usize = 8192 + 4096 * 100;
 
 impl BadResponse {
     fn why(self) -> &'static str {
@@ -161,6 +167,7 @@ impl BadResponse {
             BadResponse::UnaskedSwitch => "switched protocols unasked",
             BadResponse::Length => "sent an invalid Content-Length",
             BadResponse::TransferCoding => "sent a transfer coding other than chunked",
+            BadResponse::HeadTooLarge => "sent a response head larger than 408 KiB",
         }
     }
 }

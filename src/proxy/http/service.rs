@@ -201,6 +201,9 @@ fn forward(
                         Synthetic::bad_response(target, BadResponse::Unreadable)
                     }
                     FailureKind::BadLength => Synthetic::bad_response(target, BadResponse::Length),
+                    FailureKind::HeadTooLarge => {
+                        Synthetic::bad_response(target, BadResponse::HeadTooLarge)
+                    }
                     FailureKind::RequestBodyStalled => Synthetic::request_body_stalled(),
                     FailureKind::RequestBodyBroken => Synthetic::request_body_broken(),
                 };
@@ -477,6 +480,9 @@ impl Failure {
         } else if error.is_parse() && error.to_string().contains("content-length") {
             // hyper's parser refuses a bad length where there is a body; the policy names it.
             FailureKind::BadLength
+        } else if error.is_parse_too_large() {
+            // Its read buffer full before the head's end (or more headers than it reads).
+            FailureKind::HeadTooLarge
         } else {
             FailureKind::Respond
         };
@@ -527,6 +533,8 @@ enum FailureKind {
     Respond,
     /// The response's `Content-Length` is no number, or two that differ (502).
     BadLength,
+    /// The response's head is larger than the policy's bound (502).
+    HeadTooLarge,
     /// The client's request body stopped arriving before the response's head (408).
     RequestBodyStalled,
     /// The client's request body was malformed (a bad chunk) or cut short (400).

@@ -47,8 +47,6 @@ use crate::proxy::http::io::{self as hyper_io, PARK_AFTER};
 use crate::proxy::http::policy::{self, BadResponse, Synthetic, Unanswered};
 use crate::proxy::http::service::InFlight;
 
-/// hyper's default bound on a response head.
-const MAX_RESPONSE_HEAD: usize = 8192 + 4096 * 100;
 /// The read buffers' size to start with (hyper's too).
 const BUFFER: usize = 8192;
 
@@ -687,8 +685,8 @@ impl<'a> FastLane<'a> {
                     Parsed::Bad(bad) => return HeadRead::Bad(bad),
                 }
             }
-            if !self.make_target_room(MAX_RESPONSE_HEAD) {
-                return HeadRead::Bad(BadResponse::Unreadable);
+            if !self.make_target_room(policy::MAX_RESPONSE_HEAD) {
+                return HeadRead::Bad(BadResponse::HeadTooLarge);
             }
             // The client is watched while nothing of a next request is buffered (as hyper
             // does): an error means it gave up on this request.
