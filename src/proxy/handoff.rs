@@ -17,9 +17,8 @@
 //! app, so it goes again whatever its method; a TCP stream's first bytes are kept until it is
 //! clear that its connection did not come back, and sent again on the next one.
 
-use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::header::HeaderValue;
@@ -29,7 +28,6 @@ use super::{ProxyRoute, Upstream};
 use crate::config::{Direction, Handoffs, RetryBudget, Route, Target};
 use crate::metrics::Metrics;
 use crate::net::{self, OwnPorts};
-use crate::sync::lock;
 
 /// The retries of handed-off requests: each of them never reached an app (a connect refused,
 /// the hand-off's own connection come back, another leaving pod's refusal), and a loop may
@@ -50,13 +48,9 @@ const DIAL_RECORDED: Duration = Duration::from_secs(1);
 /// The hand-offs of the pod ports that have one, and what tells their loops apart.
 pub struct Handoff {
     services: Vec<(u16, Target, Arc<Upstream>)>,
-    /// The local ports of the hand-off's HTTP connections, in the second after their dial.
-    http_ports: Arc<OwnPorts>,
-    /// The local ports of the hand-off's TCP tunnels, in the second after their dial.
-    pub(super) tcp_ports: Arc<OwnPorts>,
-    /// Tunnels whose connection came back: the tunnel takes its port out when its connection
-    /// fails, and dials again.
-    looped: Mutex<HashSet<u16>>,
+    /// The local ports of the hand-off's connections (HTTP and TCP), in the second after
+    /// their dial.
+    pub(super) dial_ports: Arc<OwnPorts>,
 }
 
 impl std::fmt::Debug for Handoff {
@@ -87,7 +81,7 @@ impl Handoff {
             return None;
         }
         let mark = HeaderValue::from_str(mark).unwrap_or(HeaderValue::from_static("1"));
-        let http_ports = Arc::new(OwnPorts::dials_only(DIAL_RECORDED));
+        let dial_ports = Arc::new(OwnPorts::dials_only(DIAL_RECORDED));
         let services = handoffs
             .iter()
             .map(|(port, target)| {
@@ -96,7 +90,7 @@ impl Handoff {
                     Direction::Inbound,
                     connect_timeout,
                     metrics.clone(),
-                    Some(http_ports.clone()),
+                    Some(dial_ports.clone()),
                     Some(HANDOFF_RETRY_BUDGET),
                 )
                 .handing_off(mark.clone());
@@ -105,26 +99,14 @@ impl Handoff {
             .collect();
         Some(Handoff {
             services,
-            http_ports,
-            tcp_ports: Arc::new(OwnPorts::dials_only(DIAL_RECORDED)),
-            looped: Mutex::new(HashSet::new()),
+            dial_ports,
         })
     }
 
     /// Whether a late connection from `peer` is one of the hand-off's own, sent back here by
-    /// the node's Service rules; a tunnel's is noted, for the tunnel to dial again.
+    /// the node's Service rules: reset unread, its dialler sees the reset and dials again.
     pub fn came_back(&self, peer: SocketAddr) -> bool {
-        let port = peer.port();
-        if self.tcp_ports.contains(port) {
-            lock(&self.looped).insert(port);
-            return true;
-        }
-        self.http_ports.contains(port)
-    }
-
-    /// Whether the tunnel whose connection left from `port` came back (and forgets it).
-    pub(super) fn looped(&self, port: u16) -> bool {
-        lock(&self.looped).remove(&port)
+        self.dial_ports.contains(peer.port())
     }
 
     /// The route that serves a late connection of `route` towards its pod port's Service, if

@@ -97,9 +97,10 @@ pub async fn hand_off(
         let connected = tokio::select! {
             // The grace period ran out (or a second signal) while connecting.
             _ = tokens.terminate.cancelled() => break,
-            connected = connect(target, proxy.connect_timeout, Some(&handoff.tcp_ports)) => connected,
+            connected = connect(target, proxy.connect_timeout, Some(&handoff.dial_ports)) => connected,
         };
-        let (upstream, own_port) = match connected {
+        // Its port is recorded for the second after the dial only (`OwnPorts::dials_only`).
+        let (upstream, _) = match connected {
             Ok(connected) => connected,
             // Refused (an endpoint gone), reset in the handshake (the dial came back here and
             // was reset before the connect returned), or its port still held by an earlier
@@ -124,10 +125,8 @@ pub async fn hand_off(
         let port = upstream.local_addr().map_or(0, |local| local.port());
         let verdict = tokio::select! {
             _ = tokens.terminate.cancelled() => break,
-            verdict = probation(&client, &upstream, &mut kept, || handoff.looped(port)) => verdict,
+            verdict = probation(&client, &upstream, &mut kept) => verdict,
         };
-        drop(own_port);
-        handoff.looped(port);
         match verdict {
             Probation::Unread => {
                 debug!(
@@ -187,22 +186,12 @@ enum Probation {
 
 /// Sends what `kept` holds (a dial again), then copies the client's bytes to `upstream`,
 /// keeping them, until the target sends its first bytes, [`HANDOFF_PROBATION`] passes, or the
-/// connection fails: `came_back` then says whether it was one that the node sent back here.
-async fn probation(
-    client: &TcpStream,
-    upstream: &TcpStream,
-    kept: &mut Kept,
-    came_back: impl Fn() -> bool,
-) -> Probation {
-    let failed = |error: io::Error| {
-        let reset = matches!(
-            error.kind(),
-            io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
-        );
-        match came_back() || reset {
-            true => Probation::Unread,
-            false => Probation::Failed(error),
-        }
+/// connection fails: a reset before any byte came back is [`Probation::Unread`] (a connection
+/// that came back here is reset so by the refuser).
+async fn probation(client: &TcpStream, upstream: &TcpStream, kept: &mut Kept) -> Probation {
+    let failed = |error: io::Error| match error.kind() {
+        io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe => Probation::Unread,
+        _ => Probation::Failed(error),
     };
     if !kept.bytes.is_empty()
         && let Err(error) = write_all(upstream, &kept.bytes).await
@@ -223,7 +212,6 @@ async fn probation(
                     return failed(error);
                 }
                 match upstream.try_read(&mut buf) {
-                    Ok(0) if came_back() => return Probation::Unread,
                     Ok(read) => return Probation::Clear(buf[..read].to_vec()),
                     Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
                     Err(error) => return failed(error),
