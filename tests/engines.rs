@@ -210,6 +210,16 @@ fn script(path: &str) -> (String, After) {
             )),
             After::Close,
         ),
+        // More header fields than either engine reads (100), in a small head.
+        "/many-fields" => (
+            ok(&format!(
+                "{}content-length: 2\r\n\r\nok",
+                (0..100)
+                    .map(|i| format!("x-f{i}: v\r\n"))
+                    .collect::<String>()
+            )),
+            After::Close,
+        ),
         "/one-huge-header" => (
             ok(&format!(
                 "x-huge: {}\r\ncontent-length: 2\r\n\r\nok",
@@ -223,6 +233,54 @@ fn script(path: &str) -> (String, After) {
                 "t".repeat(20_000)
             )),
             After::Close,
+        ),
+        // Trailers that are no field lines: the framing is wrong, however complete the data.
+        "/trailer-garbage" => (
+            ok("transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nnot a field\r\n\r\n"),
+            keep,
+        ),
+        "/trailer-bad-name" => (
+            ok("transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nx trailer: t\r\n\r\n"),
+            keep,
+        ),
+        "/trailer-control" => (
+            ok("transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nx-t: a\x7fb\r\n\r\n"),
+            keep,
+        ),
+        "/trailer-bare-lf" => (
+            ok("transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nx-t: t\nx-u: u\r\n\r\n"),
+            keep,
+        ),
+        // Lengths at the top of the range: 2^63 - 1 is a length (the largest file size), 2^63
+        // and 2^64 - 1 are not.
+        "/length-max-file" => (
+            ok("content-length: 9223372036854775807\r\n\r\nhello"),
+            After::Close,
+        ),
+        "/length-2-63" => (
+            ok("content-length: 9223372036854775808\r\n\r\nhello"),
+            After::Close,
+        ),
+        "/length-2-64" => (
+            ok("content-length: 18446744073709551615\r\n\r\nhello"),
+            After::Close,
+        ),
+        "/length-overflow" => (
+            ok("content-length: 18446744073709551616\r\n\r\nhello"),
+            After::Close,
+        ),
+        // Chunk lines that end in a bare LF: from the first, and after a good chunk.
+        "/bare-lf-chunks" => (
+            ok("transfer-encoding: chunked\r\n\r\n5\nhello\n0\n\n"),
+            keep,
+        ),
+        "/bare-lf-later" => (
+            ok("transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n5\nworld\n0\r\n\r\n"),
+            keep,
+        ),
+        "/bare-lf-after-data" => (
+            ok("transfer-encoding: chunked\r\n\r\n5\r\nhello\n0\r\n\r\n"),
+            keep,
         ),
         "/cut-length" => (ok("content-length: 10\r\n\r\nhello"), After::Close),
         "/cut-head" => ("HTTP/1.1 200 OK\r\ncontent-le".into(), After::Close),
@@ -333,6 +391,10 @@ fn cases() -> Vec<Case> {
             "GET /ok HTTP/1.1\r\nHost: app.test\r\nX-Text: caf\u{e9}\r\n\r\n".into(),
         ),
         one(
+            "a request length beyond 2^63 - 1",
+            "POST /ok HTTP/1.1\r\nHost: app.test\r\nContent-Length: 9223372036854775808\r\n\r\nhello".into(),
+        ),
+        one(
             "two requests in one write",
             format!("{}{}", get("/length"), get("/chunked")),
         ),
@@ -388,6 +450,18 @@ fn cases() -> Vec<Case> {
         "/big-head",
         "/huge-head",
         "/one-huge-header",
+        "/many-fields",
+        "/trailer-garbage",
+        "/trailer-bad-name",
+        "/trailer-control",
+        "/trailer-bare-lf",
+        "/length-max-file",
+        "/length-2-63",
+        "/length-2-64",
+        "/length-overflow",
+        "/bare-lf-chunks",
+        "/bare-lf-later",
+        "/bare-lf-after-data",
         "/cut-length",
         "/cut-head",
         "/bad-head",
@@ -898,6 +972,44 @@ fn the_answers_are_the_policys() {
             first(o).after != "open"
         });
     }
+    // Trailers are field lines, or the framing was wrong: the response is cut after its data
+    // (never complete-looking), its connections closed.
+    for name in [
+        "/trailer-garbage",
+        "/trailer-bad-name",
+        "/trailer-control",
+        "/trailer-bare-lf",
+    ] {
+        check(name, "cut after the data", &|o| {
+            let answer = first(o);
+            answer.body == "hello" && answer.after == "closed in the body"
+        });
+    }
+    // One rule for a length: at most 2^63 - 1.
+    check("/length-max-file", "2^63 - 1 is a length", &|o| {
+        status(o) == "200"
+            && header(&first(o), "content-length").as_deref() == Some("9223372036854775807")
+    });
+    for name in ["/length-2-63", "/length-2-64", "/length-overflow"] {
+        check(name, "beyond 2^63 - 1 is none", &|o| {
+            status(o) == "502" && first(o).body.contains("invalid Content-Length")
+        });
+    }
+    check("a request length beyond 2^63 - 1", "a 400", &|o| {
+        status(o) == "400" && o.target_saw.is_empty()
+    });
+    check(
+        "/many-fields",
+        "more fields than either engine reads",
+        &|o| status(o) == "502" && first(o).body.contains("more than 100 header fields"),
+    );
+    // A chunk line ends in CRLF; one that does not breaks the body: the head reaches the
+    // client, then the cut, never nothing at all.
+    for name in ["/bare-lf-chunks", "/bare-lf-later", "/bare-lf-after-data"] {
+        check(name, "the head, then a cut", &|o| {
+            status(o) == "200" && first(o).after == "closed in the body"
+        });
+    }
 }
 
 /// The response timeout counts the connect too, in both engines: a target whose listen queue is
@@ -939,5 +1051,39 @@ fn connecting_counts_in_the_response_timeout_through_both_engines() {
         );
         // Half a second, with room for a busy machine; the connect timeout is 5 s.
         assert!(took < Duration::from_millis(3000), "{engine}: {took:?}");
+    }
+}
+
+/// A target connection whose framing was wrong never serves another request, in either
+/// engine: after garbage in a chunked response's trailers, the next client's request goes on
+/// a new connection. The same response with good trailers leaves its connection to the next
+/// client (the test can tell the two apart).
+#[test]
+fn a_connection_whose_framing_was_wrong_is_never_reused() {
+    for engine in ["--http1-fast-lane=true", "--http1-fast-lane=false"] {
+        for (path, connections) in [("/trailers", 1), ("/trailer-garbage", 2)] {
+            let target = Scripted::start(script);
+            let proxy = Proxy::start(&[
+                "--inbound",
+                &format!("127.0.0.1:0={}/http", target.addr),
+                engine,
+            ]);
+            let mut first = TcpStream::connect(proxy.inbound[0]).unwrap();
+            first.write_all(get(path).as_bytes()).unwrap();
+            let answer = read_answer(&mut first, &mut Vec::new(), false);
+            assert_eq!(answer.body, "hello", "{engine} {path}: {answer:?}");
+            let mut second = TcpStream::connect(proxy.inbound[0]).unwrap();
+            second.write_all(get("/ok").as_bytes()).unwrap();
+            let answer = read_answer(&mut second, &mut Vec::new(), false);
+            assert!(
+                answer.status_line.starts_with("HTTP/1.1 200"),
+                "{engine} {path}: {answer:?}"
+            );
+            assert_eq!(
+                target.accepted.load(Ordering::SeqCst),
+                connections,
+                "{engine} {path}: the target's connections"
+            );
+        }
     }
 }

@@ -5,7 +5,8 @@
 //! [`header_block`] bounds an HTTP/2 header block in progress. [`service`] forwards each
 //! request, with [`headers`] (framing checks, hop-by-hop headers, the request target) and
 //! [`body`] (streamed bodies, their bounds and accounting), through [`client`]: the pooled
-//! connections towards the route's target. [`context`] is what one connection's parts share.
+//! connections towards the route's target ([`response_head`] tells apart the causes of a
+//! response head hyper's client calls too large). [`context`] is what one connection's parts share.
 
 mod body;
 mod client;
@@ -16,6 +17,7 @@ mod header_block;
 mod headers;
 mod io;
 mod policy;
+mod response_head;
 mod retry;
 mod server;
 mod service;

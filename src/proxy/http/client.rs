@@ -28,6 +28,8 @@ use tokio::net::TcpStream;
 use tracing::debug;
 
 use super::body::Payload;
+use super::policy::BadResponse;
+use super::response_head::{HeadCounts, HeadSeen};
 use super::retry::Retries;
 use crate::config::{Direction, RetryBudget, Target};
 use crate::metrics::Metrics;
@@ -141,6 +143,7 @@ impl std::fmt::Debug for SendError {
             SendError::Http(error) | SendError::Fresh(error) | SendError::Unsent(error, _) => {
                 f.debug_tuple("Http").field(error).finish()
             }
+            SendError::BadHead(why) => f.debug_tuple("BadHead").field(why).finish(),
         }
     }
 }
@@ -158,6 +161,8 @@ pub enum SendError {
     NotConnected(io::Error, Box<Request<Payload>>),
     /// The connection failed before the request was written, which is handed back whole.
     Unsent(hyper::Error, Box<Request<Payload>>),
+    /// hyper's HTTP/1 client found the response's head "too large": why, as the policy says.
+    BadHead(BadResponse),
 }
 
 /// Idle HTTP/1.1 keep-alive connections to a route's target, the most recently used on top.
@@ -180,8 +185,28 @@ pub struct Http1Pool {
 }
 
 struct Idle {
-    sender: http1::SendRequest<Payload>,
+    sender: Sender,
     since: Instant,
+}
+
+/// A connection of hyper's HTTP/1 client: its requests' sender, and the counts of the response
+/// head it is reading.
+struct Sender {
+    requests: http1::SendRequest<Payload>,
+    head: Arc<HeadCounts>,
+}
+
+impl std::ops::Deref for Sender {
+    type Target = http1::SendRequest<Payload>;
+    fn deref(&self) -> &Self::Target {
+        &self.requests
+    }
+}
+
+impl std::ops::DerefMut for Sender {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.requests
+    }
 }
 
 /// A connection to the target that the fast lane speaks HTTP/1.1 on itself, with its port's
@@ -261,6 +286,9 @@ impl Http1Pool {
                         Some(unsent) => {
                             return Err(SendError::Unsent(error.into_error(), Box::new(unsent)));
                         }
+                        None if error.error().is_parse_too_large() => {
+                            return Err(SendError::BadHead(sender.head.why_too_large()));
+                        }
                         None if reused => return Err(SendError::Http(error.into_error())),
                         None => return Err(SendError::Fresh(error.into_error())),
                     },
@@ -275,7 +303,7 @@ impl Http1Pool {
         unexpired(&self.idle, |entry| entry.since)
     }
 
-    fn checkout(&self) -> Option<http1::SendRequest<Payload>> {
+    fn checkout(&self) -> Option<Sender> {
         let mut idle = self.idle();
         while let Some(entry) = idle.pop() {
             if !entry.sender.is_closed() {
@@ -328,10 +356,12 @@ impl Http1Pool {
             .retain(|entry| !closed_or_unexpected(&entry.conn.stream));
     }
 
-    async fn dial(self: &Arc<Self>) -> Result<http1::SendRequest<Payload>, SendError> {
+    async fn dial(self: &Arc<Self>) -> Result<Sender, SendError> {
         start_sweeping(&self.sweeping, self, Http1Pool::sweep);
         let (stream, port) = self.connector.connect().await.map_err(SendError::Connect)?;
-        let (sender, connection) = http1::handshake(TokioIo::new(UnreadAware::new(stream)))
+        let io = UnreadAware::new(stream);
+        let head = io.head.counts();
+        let (requests, connection) = http1::handshake(TokioIo::new(io))
             .await
             .map_err(SendError::Http)?;
         tokio::spawn(async move {
@@ -340,10 +370,10 @@ impl Http1Pool {
             }
             drop(port);
         });
-        Ok(sender)
+        Ok(Sender { requests, head })
     }
 
-    fn put(&self, sender: http1::SendRequest<Payload>) {
+    fn put(&self, sender: Sender) {
         let entry = Idle {
             sender,
             since: Instant::now(),
@@ -364,6 +394,8 @@ pub struct UnreadAware {
     awaiting: bool,
     /// After such a FIN: until when to look for the RST, and the next look.
     looking: Option<(tokio::time::Instant, Pin<Box<tokio::time::Sleep>>)>,
+    /// The response head in progress, counted.
+    head: HeadSeen,
 }
 
 impl UnreadAware {
@@ -372,7 +404,16 @@ impl UnreadAware {
             stream,
             awaiting: false,
             looking: None,
+            head: HeadSeen::default(),
         }
+    }
+
+    /// Bytes went out: the first since the last response's came in begin a request.
+    fn wrote(&mut self, written: usize) {
+        if written > 0 && !self.awaiting {
+            self.head.request_sent();
+        }
+        self.awaiting |= written > 0;
     }
 
     /// The connection, once hyper has handed it over (an upgrade: a tunnel from then on).
@@ -391,6 +432,7 @@ impl AsyncRead for UnreadAware {
         if this.looking.is_none() {
             let before = buf.filled().len();
             ready!(Pin::new(&mut this.stream).poll_read(cx, buf))?;
+            this.head.read(&buf.filled()[before..]);
             if buf.filled().len() > before || !this.awaiting {
                 this.awaiting = false;
                 return Poll::Ready(Ok(()));
@@ -427,7 +469,7 @@ impl AsyncWrite for UnreadAware {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let written = ready!(Pin::new(&mut this.stream).poll_write(cx, buf))?;
-        this.awaiting |= written > 0;
+        this.wrote(written);
         Poll::Ready(Ok(written))
     }
 
@@ -438,7 +480,7 @@ impl AsyncWrite for UnreadAware {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let written = ready!(Pin::new(&mut this.stream).poll_write_vectored(cx, bufs))?;
-        this.awaiting |= written > 0;
+        this.wrote(written);
         Poll::Ready(Ok(written))
     }
 
@@ -457,7 +499,7 @@ impl AsyncWrite for UnreadAware {
 
 /// A pooled connection lent to one request, until its response body ends.
 pub struct Lease {
-    sender: Option<http1::SendRequest<Payload>>,
+    sender: Option<Sender>,
     pool: Arc<Http1Pool>,
     done: bool,
 }
@@ -635,6 +677,7 @@ impl Http2Conn {
                 (io::ErrorKind::Other, error.to_string())
             }
             SendError::NotConnected(error, _) => (error.kind(), error.to_string()),
+            SendError::BadHead(why) => (io::ErrorKind::InvalidData, format!("{why:?}")),
         });
         let sender = dialled?;
         *self.current() = Some(SharedConn {

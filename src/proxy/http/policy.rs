@@ -141,7 +141,7 @@ pub(super) fn status(code: u16) -> Result<Status, BadResponse> {
 
 /// Why a target's response is not forwarded: the client gets a 502 instead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum BadResponse {
+pub(crate) enum BadResponse {
     /// Not an HTTP/1 response (hyper's parser and the lane's alike), or cut within its head.
     Unreadable,
     /// A `101` to a request that asked for no upgrade (RFC 9110 section 15.2.2).
@@ -154,20 +154,30 @@ pub(super) enum BadResponse {
     TransferCoding,
     /// A head larger than [`MAX_RESPONSE_HEAD`].
     HeadTooLarge,
+    /// A head of more than [`MAX_RESPONSE_FIELDS`] header fields.
+    TooManyFields,
 }
 
 /// The largest response head either engine forwards (hyper's client's default buffer; HAProxy
 /// refuses such heads too): 408 KiB, its status line, header lines and the empty line.
 pub(super) const MAX_RESPONSE_HEAD: usize = 8192 + 4096 * 100;
 
+/// The most header fields either engine reads in a response head (hyper's client's default).
+pub(super) const MAX_RESPONSE_FIELDS: usize = 100;
+
+/// The largest `Content-Length` either engine takes: 2^63 - 1, the largest size a file (a
+/// signed 64-bit offset) has, and nginx's and Go's bound too. A larger one is no length.
+const MAX_CONTENT_LENGTH: u64 = i64::MAX as u64;
+
 impl BadResponse {
-    fn why(self) -> &'static str {
+    pub(super) fn why(self) -> &'static str {
         match self {
             BadResponse::Unreadable => "failed to respond",
             BadResponse::UnaskedSwitch => "switched protocols unasked",
             BadResponse::Length => "sent an invalid Content-Length",
             BadResponse::TransferCoding => "sent a transfer coding other than chunked",
             BadResponse::HeadTooLarge => "sent a response head larger than 408 KiB",
+            BadResponse::TooManyFields => "sent a response head of more than 100 header fields",
         }
     }
 }
@@ -183,7 +193,8 @@ pub(super) fn response_codings<'a>(
     }
 }
 
-/// A `Content-Length` value: digits, or a comma list of equal ones (RFC 9110 section 8.6).
+/// A `Content-Length` value: digits, or a comma list of equal ones (RFC 9110 section 8.6), at
+/// most [`MAX_CONTENT_LENGTH`].
 #[inline]
 pub(super) fn content_length(value: &[u8]) -> Option<u64> {
     let mut length = None;
@@ -193,7 +204,7 @@ pub(super) fn content_length(value: &[u8]) -> Option<u64> {
             return None;
         }
         let parsed: u64 = std::str::from_utf8(part).ok()?.parse().ok()?;
-        if length.is_some_and(|length| length != parsed) {
+        if parsed > MAX_CONTENT_LENGTH || length.is_some_and(|length| length != parsed) {
             return None;
         }
         length = Some(parsed);

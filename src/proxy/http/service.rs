@@ -200,10 +200,7 @@ fn forward(
                     FailureKind::ClosedBeforeResponse | FailureKind::Respond => {
                         Synthetic::bad_response(target, BadResponse::Unreadable)
                     }
-                    FailureKind::BadLength => Synthetic::bad_response(target, BadResponse::Length),
-                    FailureKind::HeadTooLarge => {
-                        Synthetic::bad_response(target, BadResponse::HeadTooLarge)
-                    }
+                    FailureKind::Bad(why) => Synthetic::bad_response(target, why),
                     FailureKind::RequestBodyStalled => Synthetic::request_body_stalled(),
                     FailureKind::RequestBodyBroken => Synthetic::request_body_broken(),
                 };
@@ -278,17 +275,14 @@ fn forward(
             ending::Kind::Cut
         };
         let ending = (!upgraded).then(|| Ending::new(ctx.clone(), kind));
-        Ok(response.map(|body| ProxyBody {
-            payload: Payload::Stream(
-                body,
-                Stall::new(
-                    ctx.proxy.http.body_timeout,
-                    ctx.proxy.metrics.timeout_counter(Timeout::ResponseBody),
-                ),
-            ),
-            _in_flight: Some(in_flight),
-            lease,
-            ending,
+        let stall = Stall::new(
+            ctx.proxy.http.body_timeout,
+            ctx.proxy.metrics.timeout_counter(Timeout::ResponseBody),
+        );
+        Ok(response.map(|body| {
+            let mut body = ProxyBody::new(Payload::Stream(body, stall), lease, ending);
+            body._in_flight = Some(in_flight);
+            body
         }))
     }
 }
@@ -416,6 +410,12 @@ impl From<SendError> for Failure {
             SendError::NotConnected(error, request) => Failure::not_connected(error, Some(request)),
             SendError::Http(error) => Failure::of(error, true),
             SendError::Fresh(error) => Failure::of(error, false),
+            SendError::BadHead(why) => Failure {
+                kind: FailureKind::Bad(why),
+                error: format!("the target {}", why.why()).into(),
+                unanswered: None,
+                unsent: None,
+            },
             SendError::Unsent(error, request) => Failure {
                 unanswered: Some(Unanswered::NotSent),
                 unsent: Some(request),
@@ -479,10 +479,7 @@ impl Failure {
             FailureKind::ClosedBeforeResponse
         } else if error.is_parse() && error.to_string().contains("content-length") {
             // hyper's parser refuses a bad length where there is a body; the policy names it.
-            FailureKind::BadLength
-        } else if error.is_parse_too_large() {
-            // Its read buffer full before the head's end (or more headers than it reads).
-            FailureKind::HeadTooLarge
+            FailureKind::Bad(BadResponse::Length)
         } else {
             FailureKind::Respond
         };
@@ -531,10 +528,8 @@ enum FailureKind {
     ClosedBeforeResponse,
     /// The connection failed before the response's head arrived (502).
     Respond,
-    /// The response's `Content-Length` is no number, or two that differ (502).
-    BadLength,
-    /// The response's head is larger than the policy's bound (502).
-    HeadTooLarge,
+    /// A response head the policy refuses: a bad length, too large (502).
+    Bad(BadResponse),
     /// The client's request body stopped arriving before the response's head (408).
     RequestBodyStalled,
     /// The client's request body was malformed (a bad chunk) or cut short (400).
@@ -572,12 +567,11 @@ fn replayable(request: &Request<Payload>) -> bool {
 
 /// The proxy's own answer (see [`Synthetic`]), as hyper writes it.
 fn error_response(ctx: &ConnCtx, answer: Synthetic, in_flight: InFlight) -> Response<ProxyBody> {
-    let mut response = Response::new(ProxyBody {
-        payload: Payload::Bytes(Some(Bytes::from(answer.body))),
-        _in_flight: None,
-        lease: None,
-        ending: None,
-    });
+    let mut response = Response::new(ProxyBody::new(
+        Payload::Bytes(Some(Bytes::from(answer.body))),
+        None,
+        None,
+    ));
     *response.status_mut() = answer.status;
     response.headers_mut().insert(
         CONTENT_TYPE,
@@ -596,12 +590,7 @@ fn error_response(ctx: &ConnCtx, answer: Synthetic, in_flight: InFlight) -> Resp
 /// A gRPC call whose connection's time in the close-spread window came before its response:
 /// a trailers-only response, `grpc-status: 14`, which the client's channel retries elsewhere.
 fn grpc_unavailable(in_flight: InFlight, ctx: &ConnCtx) -> Response<ProxyBody> {
-    let mut response = Response::new(ProxyBody {
-        payload: Payload::Bytes(None),
-        _in_flight: None,
-        lease: None,
-        ending: None,
-    });
+    let mut response = Response::new(ProxyBody::new(Payload::Bytes(None), None, None));
     let headers = response.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
     ending::grpc_unavailable(headers);
@@ -679,6 +668,20 @@ pub struct ProxyBody {
     lease: Option<Lease>,
     /// How the body ends if its connection's time in the close-spread window comes first.
     ending: Option<Ending<Arc<ConnCtx>>>,
+    /// The body's failure, given at the next poll (see `poll_frame`).
+    held_failure: Option<BodyError>,
+}
+
+impl ProxyBody {
+    fn new(payload: Payload, lease: Option<Lease>, ending: Option<Ending<Arc<ConnCtx>>>) -> Self {
+        ProxyBody {
+            payload,
+            _in_flight: None,
+            lease,
+            ending,
+            held_failure: None,
+        }
+    }
 }
 
 impl Body for ProxyBody {
@@ -690,6 +693,9 @@ impl Body for ProxyBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = self.get_mut();
+        if let Some(failure) = this.held_failure.take() {
+            return Poll::Ready(Some(Err(failure)));
+        }
         let payload = &mut this.payload;
         let poll = match &mut this.ending {
             None => Pin::new(payload).poll_frame(cx),
@@ -707,7 +713,21 @@ impl Body for ProxyBody {
         {
             lease.done();
         }
-        poll
+        match poll {
+            // A body that breaks (a malformed chunk line, garbage in its trailers): hyper's
+            // HTTP/1 server closes at the failure, and what it holds unwritten is lost, the
+            // head too when the body broke at once, and the client may be left without any
+            // response or with less of the body than came. Given a poll later, the failure
+            // finds all of it written (hyper writes out what it holds while a body waits): the
+            // client gets the head and the body up to the break, then the cut, as from the
+            // fast lane.
+            Poll::Ready(Some(Err(failure))) => {
+                this.held_failure = Some(failure);
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+            poll => poll,
+        }
     }
 
     fn is_end_stream(&self) -> bool {

@@ -6,8 +6,6 @@ use crate::proxy::http::policy::{self, BadResponse, Role, Status, content_length
 
 /// Request headers the lane parses; a request with more goes to hyper (which takes 100).
 const MAX_REQUEST_HEADERS: usize = 64;
-/// hyper's bound on a response's headers.
-const MAX_RESPONSE_HEADERS: usize = 100;
 /// A chunked response's trailer section is read and dropped (the client did not ask for
 /// trailers with `TE`); this bounds it.
 const MAX_TRAILERS: usize = 16 * 1024;
@@ -155,11 +153,12 @@ pub(super) fn plan_response(
     close: bool,
     out: &mut Vec<u8>,
 ) -> Parsed {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_RESPONSE_HEADERS];
+    let mut headers = [httparse::EMPTY_HEADER; policy::MAX_RESPONSE_FIELDS];
     let mut response = httparse::Response::new(&mut headers);
     let head_len = match response.parse(buf) {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) => return Parsed::Partial,
+        Err(httparse::Error::TooManyHeaders) => return Parsed::Bad(BadResponse::TooManyFields),
         Err(_) => return Parsed::Bad(BadResponse::Unreadable),
     };
     let (Some(code), Some(version)) = (response.code, response.version) else {
@@ -405,10 +404,13 @@ enum ChunkState {
     Data(u64),
     DataCr,
     DataLf,
-    /// At the start of a trailer line (or the final CRLF), `total` trailer bytes so far.
-    TrailerStart(usize),
-    Trailer(usize),
-    TrailerLf(usize),
+    /// At the start of a trailer line, or of the final CRLF.
+    EndCr,
+    /// In a trailer line.
+    Trailer,
+    /// A trailer line's CR seen.
+    TrailerLf,
+    /// The final CR seen.
     EndLf,
     Done,
 }
@@ -418,8 +420,11 @@ pub(super) struct ChunkDecoder {
     state: ChunkState,
     /// Bytes of chunk extensions in the body so far.
     extensions: usize,
-    /// Trailer fields so far.
+    /// Trailer lines so far.
     trailer_fields: usize,
+    /// The trailer section as it came, read as hyper reads it (its bytes and lines alike),
+    /// then checked as field lines and dropped. Empty unless the body has trailers.
+    trailers: Vec<u8>,
 }
 
 impl ChunkDecoder {
@@ -472,25 +477,36 @@ impl ChunkDecoder {
                     }
                     Extensions(size)
                 }
-                (SizeLf(0), b'\n') => TrailerStart(0),
+                (SizeLf(0), b'\n') => EndCr,
                 (SizeLf(size), b'\n') => Data(size),
                 (DataCr, b'\r') => DataLf,
                 (DataLf, b'\n') => SizeStart,
-                (TrailerStart(_), b'\r') => EndLf,
-                (TrailerStart(total) | Trailer(total), _) if total >= MAX_TRAILERS => {
-                    return Err("trailers too large");
+                // The trailer section is kept as hyper keeps it: from its first byte (a
+                // body without trailers keeps nothing), every byte up to the final LF.
+                (EndCr, b'\r') => {
+                    if !self.trailers.is_empty() {
+                        self.keep_trailer_byte(byte)?;
+                    }
+                    EndLf
                 }
-                (Trailer(total), b'\r') => TrailerLf(total + 1),
-                (TrailerStart(_) | Trailer(_), b'\n') => return Err("bare LF in trailers"),
-                (TrailerStart(total) | Trailer(total), _) => Trailer(total + 1),
-                (TrailerLf(total), b'\n') => {
-                    self.trailer_fields += 1;
-                    if self.trailer_fields > MAX_TRAILER_FIELDS {
+                (EndCr | Trailer, byte) => {
+                    self.keep_trailer_byte(byte)?;
+                    if byte == b'\r' { TrailerLf } else { Trailer }
+                }
+                (TrailerLf, b'\n') => {
+                    if self.trailer_fields >= MAX_TRAILER_FIELDS {
                         return Err("too many trailer fields");
                     }
-                    TrailerStart(total + 1)
+                    self.trailer_fields += 1;
+                    self.keep_trailer_byte(byte)?;
+                    EndCr
                 }
                 (EndLf, b'\n') => {
+                    if !self.trailers.is_empty() {
+                        self.keep_trailer_byte(byte)?;
+                        check_trailers(&self.trailers, self.trailer_fields)?;
+                        self.trailers = Vec::new();
+                    }
                     self.state = Done;
                     return Ok((at, true));
                 }
@@ -498,6 +514,37 @@ impl ChunkDecoder {
             };
         }
         Ok((at, matches!(self.state, Done)))
+    }
+}
+
+impl ChunkDecoder {
+    /// Keeps a byte of the trailer section, within its bound (hyper's).
+    fn keep_trailer_byte(&mut self, byte: u8) -> Result<(), &'static str> {
+        self.trailers.push(byte);
+        if self.trailers.len() >= MAX_TRAILERS {
+            return Err("trailers too large");
+        }
+        Ok(())
+    }
+}
+
+/// A trailer section (its lines, then the empty line) read as field lines, as hyper reads it:
+/// dropped all the same, but a section that is none says the body's framing was wrong.
+fn check_trailers(section: &[u8], lines: usize) -> Result<(), &'static str> {
+    let mut fields = vec![httparse::EMPTY_HEADER; lines];
+    match httparse::parse_headers(section, &mut fields) {
+        Ok(httparse::Status::Complete((_, fields))) => {
+            let valid = fields.iter().all(|field| {
+                hyper::header::HeaderName::from_bytes(field.name.as_bytes()).is_ok()
+                    && hyper::header::HeaderValue::from_bytes(field.value).is_ok()
+            });
+            if valid {
+                Ok(())
+            } else {
+                Err("invalid trailer field")
+            }
+        }
+        _ => Err("trailers that are no field lines"),
     }
 }
 
