@@ -137,12 +137,8 @@ pub(super) fn check_framing(
             return bad("chunked applied more than once");
         }
         // hyper reads lengths up to 2^64 - 3; the policy's bound is lower (2^63 - 1).
-        let lengths = headers.get_all(CONTENT_LENGTH).iter();
-        if chunked == 0
-            && lengths
-                .into_iter()
-                .any(|value| policy::content_length(value.as_bytes()).is_none())
-        {
+        let mut lengths = headers.get_all(CONTENT_LENGTH).iter();
+        if chunked == 0 && lengths.any(|value| policy::content_length(value.as_bytes()).is_none()) {
             return bad("invalid Content-Length");
         }
     }
