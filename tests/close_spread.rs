@@ -9,7 +9,6 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -38,14 +37,6 @@ fn python_peers() -> Result<(), String> {
             String::from_utf8_lossy(&out.stderr).trim()
         ))
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A Python process and its stdout, line by line.
@@ -119,7 +110,9 @@ fn long_lived_connections_end_cleanly_one_by_one_across_the_close_spread_window(
     if let Err(why) = python_peers() {
         return skip(test, &why);
     }
-    let ports: Vec<String> = (0..3).map(|_| free_port().to_string()).collect();
+    let ports: Vec<String> = (0..3)
+        .map(|_| support::port_for_another_process().to_string())
+        .collect();
     let apps = Peer::start("apps.py", &ports);
     apps.until("listening", Duration::from_secs(30));
 

@@ -254,11 +254,7 @@ struct Haproxy {
 
 impl Haproxy {
     fn start(target: SocketAddr) -> Haproxy {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = support::port_for_another_process();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let dir =
             std::env::temp_dir().join(format!("lameduck-haproxy-{}-{port}", std::process::id()));

@@ -649,6 +649,25 @@ pub fn closed_port() -> ClosedPort {
     ClosedPort { _held: held, addr }
 }
 
+/// A port on 127.0.0.1 for another process to listen on (HAProxy, the Python peers), which
+/// binds it itself a while later. Drawn from 10000-19999, below the kernel's ephemeral range
+/// (where every test's outgoing connections and `:0` listeners take their ports, thousands a
+/// second in the load tests) and below the hand-off's dial ports: a port from that range, merely
+/// released, could become a connection's source port before the process binds it, and the
+/// process would fail to start. Free when drawn.
+pub fn port_for_another_process() -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    for attempt in 0u64..1000 {
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u64(attempt);
+        let port = 10_000 + (hasher.finish() % 10_000) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in 10000-19999");
+}
+
 /// A target that accepts and then neither reads, writes nor closes (keep the listener).
 pub fn silent_target() -> (TcpListener, SocketAddr) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
