@@ -363,19 +363,9 @@ fn bind_dial_port(
     any: SocketAddr,
     own: &OwnPorts,
 ) -> io::Result<()> {
-    let span = u64::from(DIAL_PORTS.end() - DIAL_PORTS.start()) + 1;
     let mut last = io::Error::from(io::ErrorKind::AddrInUse);
     for _ in 0..64 {
-        // Drawn anew for each dial (SplitMix64 of a counter): two pods never walk the range in
-        // step, one pod's dials arriving at another from the ports that one dials from.
-        let n = u64::from(own.next_dial.fetch_add(1, Ordering::Relaxed));
-        let mut z = own
-            .dial_seed
-            .wrapping_add(n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        let port = DIAL_PORTS.start() + (z % span) as u16;
+        let port = own.next_dial_port();
         match socket.bind(SocketAddr::new(any.ip(), port)) {
             Ok(()) => return Ok(()),
             Err(error) if error.kind() == io::ErrorKind::AddrInUse => last = error,
@@ -397,9 +387,10 @@ pub struct OwnPorts {
     /// Service rules send a connection back at its handshake, never later): how long after its
     /// connect a port stays recorded. `None`: as long as its connection lives.
     dials_only: Option<Duration>,
-    /// Dials so far, and this process's own seed: each dial's port is drawn from both.
+    /// Dials so far, and this process's own walk through [`DIAL_PORTS`]: where it starts and
+    /// its step (coprime with the range's size).
     next_dial: AtomicU32,
-    dial_seed: u64,
+    dial_walk: (u64, u64),
 }
 
 impl std::fmt::Debug for OwnPorts {
@@ -414,12 +405,35 @@ impl Default for OwnPorts {
             counts: (0..=u16::MAX).map(|_| AtomicU8::new(0)).collect(),
             dials_only: None,
             next_dial: AtomicU32::new(0),
-            dial_seed: {
+            dial_walk: {
                 use std::hash::BuildHasher;
-                std::collections::hash_map::RandomState::new().hash_one(std::process::id())
+                let seed =
+                    std::collections::hash_map::RandomState::new().hash_one(std::process::id());
+                dial_walk(seed)
             },
         }
     }
+}
+
+/// The size of [`DIAL_PORTS`].
+const DIAL_SPAN: u64 = (*DIAL_PORTS.end() - *DIAL_PORTS.start()) as u64 + 1;
+
+/// A walk through [`DIAL_PORTS`] from `seed`: a start and a step coprime with the range's size,
+/// so that every port comes once before any comes again. A port used again soon could meet its
+/// last connection's NAT record (conntrack keeps a reset one for seconds) and follow that
+/// connection's old route instead of the Service's rules: a hand-off the rules sent back to
+/// the pod would come back once more. Each process has its own walk: two pods never walk the
+/// range in step, one pod's dials arriving at another from the ports that one dials from.
+fn dial_walk(seed: u64) -> (u64, u64) {
+    fn gcd(a: u64, b: u64) -> u64 {
+        if b == 0 { a } else { gcd(b, a % b) }
+    }
+    let start = seed % DIAL_SPAN;
+    let mut step = (seed >> 32) % DIAL_SPAN;
+    while gcd(step, DIAL_SPAN) != 1 {
+        step += 1;
+    }
+    (start, step)
 }
 
 impl OwnPorts {
@@ -438,6 +452,13 @@ impl OwnPorts {
             own: own.clone(),
             port,
         }
+    }
+
+    /// The port of the next dial, along this process's walk.
+    fn next_dial_port(&self) -> u16 {
+        let n = u64::from(self.next_dial.fetch_add(1, Ordering::Relaxed));
+        let (start, step) = self.dial_walk;
+        *DIAL_PORTS.start() + ((start + n % DIAL_SPAN * step) % DIAL_SPAN) as u16
     }
 
     /// Whether one of the proxy's own connections to an original destination uses `port`.
@@ -532,7 +553,7 @@ mod tests {
     use std::net::{TcpListener, TcpStream};
     use std::time::Duration;
 
-    use super::DROP_SYN;
+    use super::{DIAL_PORTS, DIAL_SPAN, DROP_SYN, OwnPorts, dial_walk};
 
     /// Once the filter is on, a new connection attempt does not complete (its SYN is dropped),
     /// while a connection whose handshake was done already is accepted with its bytes.
@@ -554,5 +575,29 @@ mod tests {
         let mut bytes = [0u8; 7];
         accepted.read_exact(&mut bytes).unwrap();
         assert_eq!(&bytes, b"request");
+    }
+
+    /// A process's hand-off dials walk the whole range before a port comes again, and two
+    /// processes walk it apart.
+    #[test]
+    fn dial_ports_come_once_each_before_any_comes_again() {
+        let own = OwnPorts::dials_only(Duration::from_secs(1));
+        let mut seen = vec![false; DIAL_SPAN as usize];
+        for _ in 0..DIAL_SPAN {
+            let port = own.next_dial_port();
+            assert!(DIAL_PORTS.contains(&port), "{port}");
+            let index = usize::from(port - DIAL_PORTS.start());
+            assert!(!seen[index], "{port} came twice in one walk");
+            seen[index] = true;
+        }
+        // Whatever the seed: a step that shares a factor with the range is moved past.
+        for seed in [0, 1, 2 << 32, 12_768 << 32, u64::MAX] {
+            let (_, step) = dial_walk(seed);
+            assert!((1..DIAL_SPAN).contains(&step), "{seed}: {step}");
+        }
+        let other = OwnPorts::dials_only(Duration::from_secs(1));
+        let ours: Vec<u16> = (0..8).map(|_| own.next_dial_port()).collect();
+        let theirs: Vec<u16> = (0..8).map(|_| other.next_dial_port()).collect();
+        assert_ne!(ours, theirs);
     }
 }
