@@ -957,6 +957,75 @@ fn expect_100_continue_passes_through() {
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
 
+/// The keep-alive race replayed goes on a new connection, never on another idle one: a
+/// target that closes idle connections after a timeout closes those last used together at
+/// once. Deterministic: this target answers the first request of each connection only and
+/// closes at any later one, and the proxy holds two idle connections to it; the third request
+/// meets the close on one, and its replay would meet it on the other.
+#[test]
+fn a_replay_after_the_keep_alive_race_goes_on_a_new_connection() {
+    let target = TcpListener::bind("127.0.0.1:0").unwrap();
+    let target_addr = target.local_addr().unwrap();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = accepted.clone();
+    thread::spawn(move || {
+        for stream in target.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            thread::spawn(move || {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                let mut served = 0;
+                while let Ok(1) = stream.read(&mut byte) {
+                    head.push(byte[0]);
+                    if !head.ends_with(b"\r\n\r\n") {
+                        continue;
+                    }
+                    head.clear();
+                    if served > 0 {
+                        // A later request: closed, unanswered.
+                        return;
+                    }
+                    served += 1;
+                    // Slow enough that two requests at once take two connections.
+                    thread::sleep(Duration::from_millis(300));
+                    if stream
+                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let mut proxy = Proxy::start(&["--inbound", &format!("127.0.0.1:0={target_addr}/http")]);
+    let mut clients: Vec<TcpStream> = (0..2)
+        .map(|_| TcpStream::connect(proxy.inbound[0]).unwrap())
+        .collect();
+    for client in &mut clients {
+        client.set_read_timeout(Some(PATIENCE)).unwrap();
+        client.write_all(&get("/first")).unwrap();
+    }
+    for client in &mut clients {
+        assert_eq!(read_response(client).unwrap().status, 200);
+    }
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+    // Both connections idle in the proxy's pool; the next request meets a close on either.
+    clients[0].write_all(&get("/third")).unwrap();
+    let response = read_response(&mut clients[0]).unwrap();
+    assert_eq!(
+        response.status,
+        200,
+        "the replay went on another idle connection: {:?}",
+        String::from_utf8_lossy(&response.body)
+    );
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 3);
+    drop(clients);
+    proxy.signal(libc::SIGTERM);
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+}
+
 #[test]
 fn target_closing_idle_keepalive_connections_costs_no_request() {
     // A target that closes every keep-alive connection after exactly 300 ms of idleness,

@@ -244,17 +244,19 @@ fn closed_or_unexpected(stream: &TcpStream) -> bool {
 }
 
 impl Http1Pool {
-    /// Sends `request` on an idle connection or a new one. A request that an idle connection
-    /// could not take at all (the target had closed it) goes to the next one.
+    /// Sends `request` on an idle connection or a new one (`fresh`: a new one only). A request
+    /// that an idle connection could not take at all (the target had closed it) goes to the
+    /// next one.
     // Not an `async fn` (docs/architecture.md, "One note on `async fn`").
     #[allow(clippy::manual_async_fn)]
     pub fn send(
         self: &Arc<Self>,
         mut request: Request<Payload>,
+        fresh: bool,
     ) -> impl Future<Output = Result<(Response<Incoming>, Lease), SendError>> + '_ {
         async move {
             loop {
-                let (mut sender, reused) = match self.checkout() {
+                let (mut sender, reused) = match (!fresh).then(|| self.checkout()).flatten() {
                     Some(sender) => (sender, true),
                     // Boxed: dialling is rare, and its future (connect, handshake) would
                     // otherwise make every request's future larger by its size.
@@ -772,7 +774,7 @@ mod tests {
             (read, answered.elapsed())
         });
 
-        let (response, mut lease) = upstream.http1.send(get()).await.unwrap();
+        let (response, mut lease) = upstream.http1.send(get(), false).await.unwrap();
         let body = response.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(body, "ok");
         lease.done();

@@ -343,7 +343,10 @@ fn send(
                 }
                 (None, None) => unreachable!("a request is sent again only whole or rebuilt"),
             };
-            let mut failure = match send_once(upstream, version, request).await {
+            // A replay goes on a new connection: another idle one may be closing too (a target
+            // that closes idle connections after a timeout closes those last used together at
+            // once).
+            let mut failure = match send_once(upstream, version, request, replayed).await {
                 Ok((response, _)) if upstream.handoff_mark.is_some() && handed_back(&response) => {
                     Failure::handed_back()
                 }
@@ -388,9 +391,10 @@ fn send_once<'a>(
     upstream: &'a Upstream,
     version: HttpVersion,
     request: Request<Payload>,
+    fresh: bool,
 ) -> impl Future<Output = Result<(Response<Incoming>, Option<Lease>), Failure>> + 'a {
     match version {
-        HttpVersion::Http1 => Either::Left(upstream.http1.send(request).map(|sent| {
+        HttpVersion::Http1 => Either::Left(upstream.http1.send(request, fresh).map(|sent| {
             sent.map(|(response, lease)| (response, Some(lease)))
                 .map_err(Failure::from)
         })),

@@ -490,7 +490,8 @@ impl<'a> FastLane<'a> {
         let mut replayed = false;
         let mut retried = 0;
         let (mut conn, response) = loop {
-            let (mut conn, reused) = match pool.checkout_plain() {
+            // A replay goes on a new connection: another idle one may be closing as well.
+            let (mut conn, reused) = match (!replayed).then(|| pool.checkout_plain()).flatten() {
                 Some(conn) => (conn, true),
                 None => {
                     // Boxed: dialling is rare, and its future would make this one larger.
