@@ -1309,6 +1309,12 @@ fn with_handoff_a_short_lame_duck_loses_nothing_when_nodes_forget_in_thirty_seco
         return;
     };
     let tally = &run.tally;
+    if !tally.failed.is_empty() {
+        // What each pod's proxy did after its lame duck, to tell why.
+        for gone in &run.gone {
+            eprintln!("rhof: a pod after its lame duck:\n{}", gone.tail.0);
+        }
+    }
     assert!(
         tally.failed.is_empty(),
         "rhof: {} failed (the first 10: {:?})",
