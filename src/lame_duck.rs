@@ -257,16 +257,31 @@ impl LameDuck {
         }
     }
 
-    /// Once `side` has drained: while late connections keep coming (they are refused at once
-    /// by its listeners, and written in a book of their own), the process stays, so that its
-    /// pod's address answers them rather than vanish under clients that still route here;
-    /// until that book says they have stopped (with the rule of the lame duck), or `deadline`.
-    /// With none, it ends at once.
+    /// Once `side` has drained: while new connections may still come, the process stays, so
+    /// that its pod's address answers them (its listeners refuse them at once, or hand them
+    /// off, and write them in a book of late arrivals) rather than vanish under clients that
+    /// still route here; until the evidence says they have stopped (with the rule of the lame
+    /// duck), or `deadline`. The evidence is the lame duck's own book and the late one: a lame
+    /// duck cut short by its maximum saw sources that had not stopped, and they are waited for
+    /// even when none of them has come back yet (a pause of the whole cluster's traffic, or a
+    /// drain quicker than their gaps); a lame duck that ended quiet has nothing more to say.
+    /// With neither, it ends at once.
     pub async fn linger(&self, side: &Side, deadline: Instant) {
         let Some(rule) = self.rule() else { return };
         let started = Instant::now();
+        let lame_duck = side
+            .quiet_at(&rule)
+            .zip(side.with_arrivals(|book_started, _| book_started))
+            .map(|((quiet_at, holder), book_started)| (quiet_at, holder, book_started));
         let mut announced = false;
-        while let Some((quiet_at, holder, book_started)) = side.late_quiet_at(&rule) {
+        loop {
+            let evidence = [lame_duck, side.late_quiet_at(&rule)]
+                .into_iter()
+                .flatten()
+                .max_by_key(|(quiet_at, ..)| *quiet_at);
+            let Some((quiet_at, holder, book_started)) = evidence else {
+                break;
+            };
             if quiet_at <= Instant::now() || Instant::now() >= deadline {
                 break;
             }
@@ -275,14 +290,14 @@ impl LameDuck {
                     late_connections = side.late().0,
                     still = %why_open(holder, book_started),
                     grace_left_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64,
-                    "lingering: late connections keep coming; the pod's address answers them (handed off to the Service, or refused at once) until they stop"
+                    "lingering: new connections may still come; the pod's address answers them (handed off to the Service, or refused at once) until they stop"
                 );
                 announced = true;
             }
             tokio::time::sleep_until(quiet_at.min(deadline)).await;
         }
         let (late, last) = side.late();
-        if late > 0 {
+        if late > 0 || announced {
             let (handed_off, loops) = side.handoffs();
             info!(
                 late_connections = late,
@@ -475,5 +490,46 @@ mod tests {
             matches!(why, Ending::Max(Some(Holder::Source(source))) if source.count == 1),
             "{why:?}"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lame_duck_cut_short_lingers_for_its_sources_and_one_that_ended_quiet_does_not() {
+        let (lame_duck, _, drain) = lame_duck();
+        let side = drain.side(Direction::Inbound);
+        let started = Instant::now();
+        let running = {
+            let (lame_duck, side) = (lame_duck.clone(), side.clone());
+            tokio::spawn(async move { lame_duck.run(&[side]).await })
+        };
+        // One every 250 ms up to 9.75 s: its window (5 s) runs past the 10 s maximum.
+        for _ in 0..39 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            side.arrived("10.0.0.9".parse().unwrap());
+        }
+        assert!(matches!(running.await.unwrap(), Ending::Max(Some(_))));
+        side.refusing_from_now();
+        // No late connection comes: the linger still lasts until the source's window is over.
+        lame_duck
+            .linger(&side, started + Duration::from_secs(60))
+            .await;
+        assert_eq!(started.elapsed(), Duration::from_millis(14_750));
+        // A lame duck that ended quiet, with no late connection after it: no linger.
+        let (lame_duck, _, drain) = self::lame_duck();
+        let side = drain.side(Direction::Inbound);
+        let running = {
+            let (lame_duck, side) = (lame_duck.clone(), side.clone());
+            tokio::spawn(async move { lame_duck.run(&[side]).await })
+        };
+        for _ in 0..10 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            side.arrived("10.0.0.9".parse().unwrap());
+        }
+        assert!(matches!(running.await.unwrap(), Ending::Quiet(Some(_))));
+        side.refusing_from_now();
+        let lingering = Instant::now();
+        lame_duck
+            .linger(&side, lingering + Duration::from_secs(60))
+            .await;
+        assert_eq!(lingering.elapsed(), Duration::ZERO);
     }
 }

@@ -668,6 +668,23 @@ fn quiesced_adaptively(test: &str) -> (Backend, PathBuf, Proxy) {
     (backend, dir, proxy)
 }
 
+/// A late client: its connection opens (the listener is there) and is reset before any answer,
+/// within a round trip rather than a connect timeout; how long that took.
+fn late_connection(inbound: std::net::SocketAddr, path: &str) -> Duration {
+    let started = Instant::now();
+    let mut stream = std::net::TcpStream::connect(inbound).expect("the listener is there");
+    stream.set_read_timeout(Some(PATIENCE)).unwrap();
+    // The reset may come before the request is written, or after.
+    let answer = stream
+        .write_all(&get(path))
+        .and_then(|()| stream.read(&mut [0u8; 64]));
+    assert!(
+        matches!(&answer, Err(error) if matches!(error.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe)),
+        "a late connection is reset, never served: {answer:?}"
+    );
+    started.elapsed()
+}
+
 /// Never a black hole: once an adaptive quiesce's lame duck is over, a connection that still
 /// arrives is accepted and reset at once (never left to time out), counted in the metrics,
 /// `lameduck status` and the log; and when the proxy is signalled (the app has exited), it does
@@ -682,22 +699,7 @@ fn late_connections_are_refused_at_once_and_the_proxy_lingers_while_they_come() 
         .wait_for("the listener kept for late connections", |line| {
             line.contains("late connections are refused at once")
         });
-    // A late client: its connection opens (the listener is there) and is reset before any
-    // answer, within a round trip rather than a connect timeout.
-    let late = |path: &str| {
-        let started = Instant::now();
-        let mut stream = std::net::TcpStream::connect(inbound).expect("the listener is there");
-        stream.set_read_timeout(Some(PATIENCE)).unwrap();
-        // The reset may come before the request is written, or after.
-        let answer = stream
-            .write_all(&get(path))
-            .and_then(|()| stream.read(&mut [0u8; 64]));
-        assert!(
-            matches!(&answer, Err(error) if matches!(error.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe)),
-            "a late connection is reset, never served: {answer:?}"
-        );
-        started.elapsed()
-    };
+    let late = |path: &str| late_connection(inbound, path);
     let took = late("/late");
     assert!(took < Duration::from_secs(1), "refused after {took:?}");
     assert!(backend.seen_paths().iter().all(|path| path != "/late"));
@@ -749,6 +751,69 @@ fn late_connections_are_refused_at_once_and_the_proxy_lingers_while_they_come() 
         .logs
         .wait_event("late connections after the lame duck (handed off or refused)");
     assert_eq!(summary["fields"]["late_connections"], 1 + refused);
+}
+
+const LINGERING: &str = "lingering: new connections may still come; the pod's address answers them (handed off to the Service, or refused at once) until they stop";
+
+/// A lame duck cut short by its maximum while a source still sent new connections: the proxy,
+/// signalled once the app has exited, lingers for that source (the pod's address answers)
+/// although no late connection has come yet, as when the cluster's traffic pauses across the
+/// drain; the lame duck's book is the evidence, not only the late connections. Before, it
+/// exited at once and every client still routed here met a closed port.
+#[test]
+fn a_lame_duck_cut_short_lingers_for_its_sources_before_any_late_connection() {
+    let (_backend, _dir, socket, mut proxy) = quiescable_with(
+        "cut-short",
+        &[
+            "--lame-duck-max=3s",
+            "--lame-duck-min=500ms",
+            "--shutdown-grace-period=8s",
+        ],
+    );
+    let inbound = proxy.inbound[0];
+    let started = Instant::now();
+    let hook = spawn_hook("prestop", &socket, &[]);
+    wait_until("/ready answers 503", PATIENCE, || {
+        proxy.get("/ready").status == 503
+    });
+    // Four new connections 400 ms apart: the last at least 1.2 s into the lame duck, its mean
+    // gap at least 300 ms, its window (20 of them) at least 6 s, past the 3 s maximum; then
+    // nothing, across the drain.
+    for _ in 0..4 {
+        let mut stream = send_raw(inbound, &get("/arriving"));
+        let response = read_response(&mut stream).expect("served during the lame duck");
+        assert_eq!(response.status, 200);
+        std::thread::sleep(Duration::from_millis(400));
+    }
+    let (code, out, _) = finish(hook, started);
+    assert!(code.success(), "{out}");
+    assert_eq!(
+        proxy.metric("lameduck_lame_ducks_total{ended=\"max\"}"),
+        1.0
+    );
+    proxy.signal(libc::SIGTERM);
+    let lingering = proxy.logs.wait_event(LINGERING);
+    assert_eq!(lingering["fields"]["late_connections"], 0, "{lingering}");
+    assert!(
+        lingering["fields"]["still"]
+            .as_str()
+            .is_some_and(|still| still.starts_with("127.0.0.1 sent")),
+        "{lingering}"
+    );
+    assert!(
+        proxy.try_wait_exit(Duration::ZERO).is_none(),
+        "exited while the lame duck's source may still send"
+    );
+    // A client still routed here: its connection is answered (reset at once), not refused by a
+    // closed port.
+    let took = late_connection(inbound, "/late");
+    assert!(took < Duration::from_secs(1), "refused after {took:?}");
+    // It exits once the source has been quiet for its window.
+    assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
+    let summary = proxy
+        .logs
+        .wait_event("late connections after the lame duck (handed off or refused)");
+    assert_eq!(summary["fields"]["late_connections"], 1, "{summary}");
 }
 
 /// Without late connections the proxy's own SIGTERM after the quiesce ends it at once: no
