@@ -540,7 +540,14 @@ async fn drain_sequence(
         tokio::join!(inbound.drained(), outbound.drained());
     }
     // Never a black hole: while late connections may still come, the pod's address answers.
-    lame_duck.linger(&inbound, deadline.into()).await;
+    // After an inbound quiesce the pod's termination began with it (the preStop hook): the
+    // linger ends within the grace period counted from there, so that the kubelet's deadline
+    // (the grace period, the app's own budget and 5 s, docs/pod-lifecycle.md) never finds the
+    // proxy lingering, however long the app took to exit.
+    let linger_until = drain.inbound_quiesced_at().map_or(deadline, |quiesced| {
+        deadline.min(quiesced + config.shutdown_grace_period)
+    });
+    lame_duck.linger(&inbound, linger_until.into()).await;
     // The late connections handed off to the pod's Service finish (within the grace period).
     inbound.drained().await;
 }

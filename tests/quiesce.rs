@@ -816,6 +816,56 @@ fn a_lame_duck_cut_short_lingers_for_its_sources_before_any_late_connection() {
     assert_eq!(summary["fields"]["late_connections"], 1, "{summary}");
 }
 
+/// The linger after a quiesce ends within the grace period counted from the quiesce (the start
+/// of the pod's termination), not from the proxy's own SIGTERM: the kubelet's deadline (the
+/// grace period, the app's own budget and 5 s) must never find the proxy still lingering, however
+/// long the app took to exit, even while late connections keep coming.
+#[test]
+fn the_linger_after_a_quiesce_ends_within_the_grace_period_from_the_quiesce() {
+    let (_backend, _dir, socket, mut proxy) = quiescable_with(
+        "linger-bound",
+        &[
+            "--lame-duck-max=1s",
+            "--lame-duck-min=500ms",
+            "--shutdown-grace-period=6s",
+        ],
+    );
+    let inbound = proxy.inbound[0];
+    let quiesced = Instant::now();
+    let (code, out, _) = run_hook("prestop", &socket, &[]);
+    assert!(code.success(), "{out}");
+    // Late connections every 100 ms from here on; the app takes its time to exit, then the
+    // proxy's SIGTERM 5 s after the quiesce. Counted from the SIGTERM, its grace period would
+    // end 11 s after the quiesce; counted from the quiesce, at 6 s.
+    let mut signalled = false;
+    let exited = loop {
+        if !signalled && quiesced.elapsed() >= Duration::from_secs(5) {
+            proxy.signal(libc::SIGTERM);
+            signalled = true;
+        }
+        if let Some(status) = proxy.try_wait_exit(Duration::ZERO) {
+            break (status, quiesced.elapsed());
+        }
+        assert!(
+            quiesced.elapsed() < PATIENCE * 2,
+            "still lingering {:?} after the quiesce",
+            quiesced.elapsed()
+        );
+        // The listener may close between the connect and the reset: either is no black hole.
+        if let Ok(mut stream) = std::net::TcpStream::connect(inbound) {
+            let _ = stream.write_all(&get("/late"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(signalled, "exited before its SIGTERM");
+    assert_eq!(exited.0.code(), Some(0));
+    assert!(
+        exited.1 >= Duration::from_secs(6) && exited.1 < Duration::from_secs(9),
+        "exited {:?} after the quiesce: its grace period (6 s) counts from there",
+        exited.1
+    );
+}
+
 /// Without late connections the proxy's own SIGTERM after the quiesce ends it at once: no
 /// linger for nothing.
 #[test]
