@@ -32,16 +32,8 @@ const SERVICE_NOWHERE: u16 = 81;
 const SERVICE_HTTP: u16 = 80;
 const SERVICE_TCP: u16 = 9000;
 
-fn unsupported() -> Option<&'static str> {
-    let runs = Command::new("iptables-nft")
-        .arg("--version")
-        .output()
-        .is_ok_and(|out| out.status.success());
-    (!runs).then_some("iptables-nft is not installed (Debian package iptables)")
-}
-
 fn in_netns(test: &'static str, work: impl FnOnce() + Send + 'static) {
-    support::netns::in_netns(test, unsupported(), work);
+    support::netns::in_netns(test, support::netns::without_iptables(), work);
 }
 
 /// How kube-proxy's rules send the Service's port to its endpoints.

@@ -93,6 +93,65 @@ fn an_outbound_get_whose_callee_closed_before_answering_is_sent_again() {
     }
 }
 
+/// A Service in a rollout: its address, and a chain of kube-proxy-like DNAT rules
+/// (`--mode nth`, deterministic where kube-proxy's are random) that sends the first three new
+/// connections to a port where nothing listens (pods gone: refused), and the rest to `callee`.
+/// Run inside a network namespace of the test's own.
+fn service_refusing_three_then(callee: SocketAddr) -> SocketAddr {
+    use support::netns::run;
+    let service: SocketAddr = "10.96.0.10:80".parse().unwrap();
+    // A pod address where nothing listens, and a route for the ClusterIP (from that address).
+    run("ip", &["addr", "add", "10.78.0.9/32", "dev", "lo"]);
+    run("ip", &["route", "add", "10.96.0.10/32", "dev", "lo"]);
+    let iptables = |rule: &str| run("iptables-nft", &rule.split_whitespace().collect::<Vec<_>>());
+    iptables("-t nat -N SVC");
+    // Each rule counts the connections that reach it: the first takes connection 0 of every 5,
+    // the second connection 1 (the first of the 4 it sees), the third connection 2.
+    for every in [5, 4, 3] {
+        iptables(&format!(
+            "-t nat -A SVC -m statistic --mode nth --every {every} --packet 0 -p tcp \
+             -j DNAT --to-destination 10.78.0.9:1"
+        ));
+    }
+    // The scripted callee listens on 127.0.0.1, where a REDIRECT leads.
+    iptables(&format!(
+        "-t nat -A SVC -p tcp -j REDIRECT --to-ports {}",
+        callee.port()
+    ));
+    iptables("-t nat -A OUTPUT -d 10.96.0.10 -p tcp --dport 80 -j SVC");
+    service
+}
+
+/// Behind a Service in a rollout, a request may meet several gone endpoints (connects refused)
+/// before one that cuts it (an app closing its listener with the connection queued): the
+/// refused connects do not use up the tries of a request that may have reached the app. Three
+/// refused, then a connection closed before the answer, then a live pod: the GET is answered,
+/// through either engine. Before, one count for every reason had reached its bound of 3 and the
+/// client got 502 (the rollout harness saw it through a meshed caller).
+#[test]
+fn refused_connects_do_not_use_up_the_tries_of_a_request_cut_later() {
+    for (engine, request) in [("lane", GET), ("hyper", GET_THROUGH_HYPER)] {
+        support::netns::in_netns(
+            "refused_connects_do_not_use_up_the_tries",
+            support::netns::without_iptables(),
+            move || {
+                let callee = Flaky::start(1);
+                let service = service_refusing_three_then(callee.addr());
+                let proxy = outbound_to(service, &[]);
+                assert_eq!(exchange(proxy.outbound[0], request), 200, "{engine}");
+                assert_eq!(callee.requests().len(), 2, "{engine}");
+                let retried = |reason: &str| {
+                    proxy.metric(&format!(
+                        "lameduck_http_retries_total{{direction=\"outbound\",reason=\"{reason}\",outcome=\"retried\"}}"
+                    ))
+                };
+                assert_eq!(retried("not_connected"), 3.0, "{engine}");
+                assert_eq!(retried("may_have_reached"), 1.0, "{engine}");
+            },
+        );
+    }
+}
+
 #[test]
 fn a_post_that_may_have_reached_the_callee_is_not_sent_again() {
     let callee = Flaky::start(1);

@@ -32,7 +32,7 @@ use crate::net::{self, OwnPorts};
 /// The retries of handed-off requests: each of them never reached an app (a connect refused,
 /// the hand-off's own connection come back, another leaving pod's refusal), and a loop may
 /// strike one try in two when the pod's own node still routes to it: the budget must not be
-/// what fails a hand-off. The number of tries per request stays bounded (`policy::max_retries`).
+/// what fails a hand-off. The number of tries per request stays bounded (`policy::Tries`).
 const HANDOFF_RETRY_BUDGET: RetryBudget = RetryBudget {
     percent: 100,
     per_second: 100,

@@ -18,6 +18,15 @@ pub fn run(program: &str, args: &[&str]) {
     );
 }
 
+/// Why NAT rules cannot be written here, if they cannot: iptables-nft is not installed.
+pub fn without_iptables() -> Option<&'static str> {
+    let runs = Command::new("iptables-nft")
+        .arg("--version")
+        .output()
+        .is_ok_and(|out| out.status.success());
+    (!runs).then_some("iptables-nft is not installed (Debian package iptables)")
+}
+
 /// Runs `work` on a thread in a network namespace of the test's own, named after `test`; skips
 /// the test (saying why) when `unsupported` says this machine cannot run it, or when no
 /// namespace can be made.

@@ -293,11 +293,40 @@ impl Unanswered {
 /// to this very pod (a loop, reset unread) or to another leaving one (refused, never sent on):
 /// neither reached an app, and each try draws an endpoint again, so such a request goes again
 /// as often as a refused connect.
-pub(super) fn max_retries(unanswered: Unanswered, handoff: bool) -> u32 {
+fn max_retries(unanswered: Unanswered, handoff: bool) -> u32 {
     match unanswered {
         Unanswered::NotConnected => 30,
         Unanswered::NotSent | Unanswered::Unread if handoff => 30,
         Unanswered::NotSent | Unanswered::Unread | Unanswered::MayHaveReached => 3,
+    }
+}
+
+/// How often one request has gone again, by why: each reason is held to its own bound
+/// ([`max_retries`]). One count for all let the connects that a rollout refuses use up the tries
+/// of a request whose connection was then cut: a GET refused three times, then reset by an app
+/// closing its listener, failed with 502 where a fourth draw would have found a live pod (the
+/// rollout harness saw it through a meshed caller).
+#[derive(Debug, Default)]
+pub(crate) struct Tries([u32; 4]);
+
+impl Tries {
+    fn slot(unanswered: Unanswered) -> usize {
+        match unanswered {
+            Unanswered::NotConnected => 0,
+            Unanswered::NotSent => 1,
+            Unanswered::Unread => 2,
+            Unanswered::MayHaveReached => 3,
+        }
+    }
+
+    /// Whether the request may go once more for `unanswered` (the budget has its own say).
+    pub(crate) fn left(&self, unanswered: Unanswered, handoff: bool) -> bool {
+        self.0[Tries::slot(unanswered)] < max_retries(unanswered, handoff)
+    }
+
+    /// It goes once more for `unanswered`.
+    pub(crate) fn took(&mut self, unanswered: Unanswered) {
+        self.0[Tries::slot(unanswered)] += 1;
     }
 }
 

@@ -328,7 +328,7 @@ fn send(
         let method = request.method().clone();
         let mut next = Some(request);
         let mut replayed = false;
-        let mut retried = 0;
+        let mut tries = policy::Tries::default();
         loop {
             let request = match (next.take(), &parts) {
                 (Some(request), _) => request,
@@ -372,14 +372,14 @@ fn send(
                     .as_ref()
                     .is_some_and(|held| lock(held).whole().is_some());
             let handoff = upstream.handoff_mark.is_some();
-            let allowed = retried < policy::max_retries(unanswered, handoff)
+            let allowed = tries.left(unanswered, handoff)
                 && (unsent.is_some() || (parts.is_some() && (!has_body || body_whole)))
                 && policy::may_retry(unanswered, method.as_str().as_bytes(), has_body, body_whole);
             if !allowed || !retries.withdraw(unanswered, &upstream.name) {
                 return Err(failure);
             }
             debug!(error = %failure.error, reason = unanswered.as_str(), "no answer; sending the request again");
-            retried += 1;
+            tries.took(unanswered);
             next = unsent;
         }
     }

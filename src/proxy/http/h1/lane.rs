@@ -72,14 +72,21 @@ fn room_after(buf: &mut Vec<u8>, start: &mut usize, end: &mut usize, limit: usiz
 
 /// Whether an outbound request that got no answer goes again: the policy's rule (every request
 /// the lane takes is idempotent and bodiless), this request's share, and the budget's say.
-fn retry(ctx: &ConnCtx, request: &RequestPlan, unanswered: Unanswered, retried: &mut u32) -> bool {
+fn retry(
+    ctx: &ConnCtx,
+    request: &RequestPlan,
+    unanswered: Unanswered,
+    tries: &mut policy::Tries,
+) -> bool {
     let Some(retries) = &ctx.upstream.retries else {
         return false;
     };
-    let allowed = *retried < policy::max_retries(unanswered, false)
+    let allowed = tries.left(unanswered, false)
         && policy::may_retry(unanswered, request.method, false, true)
         && retries.withdraw(unanswered, &ctx.upstream.name);
-    *retried += u32::from(allowed);
+    if allowed {
+        tries.took(unanswered);
+    }
     allowed
 }
 
@@ -488,7 +495,7 @@ impl<'a> FastLane<'a> {
             retries.deposit();
         }
         let mut replayed = false;
-        let mut retried = 0;
+        let mut tries = policy::Tries::default();
         let (mut conn, response) = loop {
             // A replay goes on a new connection: another idle one may be closing as well.
             let (mut conn, reused) = match (!replayed).then(|| pool.checkout_plain()).flatten() {
@@ -507,7 +514,7 @@ impl<'a> FastLane<'a> {
                     match dialled {
                         Waited::Ready(Ok(conn)) => (conn, false),
                         Waited::Ready(Err(error))
-                            if retry(ctx, request, Unanswered::NotConnected, &mut retried) =>
+                            if retry(ctx, request, Unanswered::NotConnected, &mut tries) =>
                         {
                             debug!(%error, "cannot connect; sending the request again");
                             continue;
@@ -556,7 +563,7 @@ impl<'a> FastLane<'a> {
                     replayed = true;
                 }
                 HeadRead::ClosedBeforeResponse
-                    if retry(ctx, request, Unanswered::MayHaveReached, &mut retried) =>
+                    if retry(ctx, request, Unanswered::MayHaveReached, &mut tries) =>
                 {
                     debug!("the target closed before answering; sending the request again");
                 }
