@@ -1362,11 +1362,22 @@ fn installed(program: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// A port on 127.0.0.1 for a process to listen on a while later, drawn from 10000-19999: below
+/// the kernel's ephemeral range, where wrk's and h2load's connections take their source ports
+/// by the thousand (a port merely released there could become one before the process binds it,
+/// and the process would fail to start), and below the hand-off's dial ports. Free when drawn.
+/// (tests/support's port_for_another_process, for the tests.)
 fn free_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    use std::hash::{BuildHasher, Hasher};
+    for attempt in 0u64..1000 {
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u64(attempt);
+        let port = 10_000 + (hasher.finish() % 10_000) as u16;
+        if let Ok(listener) = TcpListener::bind(("127.0.0.1", port)) {
+            return listener.local_addr().unwrap();
+        }
+    }
+    panic!("no free port in 10000-19999");
 }
 
 fn pin(command: &mut Command, cpu: usize) {
