@@ -410,12 +410,49 @@ impl Pod {
             .collect(name.clone(), child.stdout.take().unwrap());
         self.timeline
             .collect(name.clone(), child.stderr.take().unwrap());
+        if container["securityContext"]["readOnlyRootFilesystem"] == true {
+            self.wait_for_read_only_root(&name, init);
+        }
         Running {
             name,
             spec: container.clone(),
             child,
             init,
             status: None,
+        }
+    }
+
+    /// A runtime sets a container's mounts up before its process starts; here the container's
+    /// init does it first ([`Pod::command`]'s script), so the container counts as started only
+    /// once its root is read-only (or it has already exited: its status tells the rest). A hook
+    /// that entered its mount namespace earlier could hold the root for writing for a moment
+    /// (creating a file, or an atime update as it execs) and make the remount fail with "mount
+    /// point is busy": the container died at its start.
+    fn wait_for_read_only_root(&self, name: &str, init: u32) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            // /proc/PID/mountinfo: "ID PARENT MAJ:MIN ROOT MOUNT-POINT OPTIONS ..."; the last
+            // mount on "/" is the one the container sees. Empty or gone once it has exited.
+            let mounts =
+                std::fs::read_to_string(format!("/proc/{init}/mountinfo")).unwrap_or_default();
+            let root = mounts
+                .lines()
+                .rev()
+                .map(|line| line.split(' ').collect::<Vec<_>>())
+                .find(|fields| fields.get(4) == Some(&"/"));
+            let Some(root) = root else { return };
+            if root
+                .get(5)
+                .is_some_and(|options| options.split(',').any(|o| o == "ro"))
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "container {name} did not set its read-only root up:\n{}",
+                self.timeline.text()
+            );
+            thread::sleep(Duration::from_millis(1));
         }
     }
 
