@@ -24,7 +24,8 @@
 //!   second). Quiet: three client nodes, every client pausing a second (about 2 requests a
 //!   second per pod).
 //! - A Deployment of 3 replicas rolled from one version to the next, maxSurge 1,
-//!   maxUnavailable 0: a new pod, ready, an endpoint; then an old pod deleted; and so on.
+//!   maxUnavailable 0, once the clients have sent for 10 s: a new pod, ready, an endpoint; then
+//!   an old pod deleted; and so on.
 //!
 //! One test per profile, each in namespaces and addresses of its own. The harness checks
 //! itself: the same rollout without the proxy loses requests, and the kubelet's probes, when
@@ -61,6 +62,9 @@ const H2_CLIENTS: usize = 2;
 /// The lame duck's maximum inject derives from the grace period of the annotation (20 s):
 /// four fifths.
 const LAME_DUCK_MAX: Duration = Duration::from_secs(16);
+/// How long the clients send before the rollout starts: the span over which the proxy measures
+/// its rate before a lame duck.
+const WARM: Duration = Duration::from_secs(10);
 
 /// The workload: the pod test's app with a readiness probe every second, an HTTP/2 relay with
 /// a TCP one, and a grace period of 20 s for the proxy. The probes wait 5 s for their answer,
@@ -742,6 +746,7 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
             Some(cluster.start_pod(CALLER_INDEX, meshed, env))
         }
     };
+    let flowing_since = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
     let tally = Arc::new(Mutex::new(Tally::default()));
     let posts = Arc::new(Mutex::new(Tally::default()));
@@ -791,6 +796,11 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
     support::wait_until("the load flows", support::PATIENCE, || {
         tally.lock().unwrap().ok >= flowing
     });
+    // The old pods of a real rollout have served their clients for a while: long enough here
+    // that the rate their proxies measure before the lame duck (over its last 10 s) is the
+    // load's, not the harness's checks while the pods started (tests/quiesce.rs covers a pod
+    // deleted that young).
+    thread::sleep(WARM.saturating_sub(flowing_since.elapsed()));
     let mut seeded = Seeded(profile.seed);
     let started = Instant::now();
     let mut deletions = Vec::new();
