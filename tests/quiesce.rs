@@ -654,42 +654,6 @@ fn an_adaptive_quiesce_lasts_while_connections_arrive_and_status_says_why() {
     assert_eq!(proxy.wait_exit(PATIENCE).code(), Some(0));
 }
 
-/// A pod deleted seconds after it started: the burst it served at its start (checks while its
-/// app came up, each on a new connection) is no rate that comes back as new connections, so a
-/// lame duck with no arrival lasts to its maximum. Taken over those seconds alone, the burst
-/// (60 requests in 2 s, 30 a second) would have let 100 of its gaps, 3.3 s, end it.
-#[test]
-fn a_young_pods_first_burst_does_not_cut_its_lame_duck_short() {
-    let (_backend, _dir, socket, proxy) = quiescable_with(
-        "young",
-        &[
-            "--lame-duck-max=6s",
-            "--lame-duck-min=0s",
-            "--shutdown-grace-period=20s",
-        ],
-    );
-    let started = Instant::now();
-    for _ in 0..60 {
-        let mut stream = send_raw(proxy.inbound[0], &get("/starting"));
-        assert_eq!(read_response(&mut stream).expect("an answer").status, 200);
-    }
-    std::thread::sleep(Duration::from_secs(2).saturating_sub(started.elapsed()));
-    let (code, out, took) = run_hook("prestop", &socket, &[]);
-    assert!(code.success(), "{out}");
-    assert!(
-        took >= Duration::from_secs(6),
-        "the lame duck ended after {took:?}, before its 6 s maximum: {}",
-        proxy.logs.text()
-    );
-    assert_eq!(
-        proxy.metric("lameduck_lame_ducks_total{ended=\"max\"}"),
-        1.0
-    );
-    proxy.logs.wait_for("the rate before, over 10 s", |line| {
-        line.contains("\"requests_per_second_before\":6.0")
-    });
-}
-
 /// A proxy with an adaptive lame duck whose inbound side a preStop hook has quiesced, with
 /// nothing arriving: its lame duck ended at its minimum, and the inbound side drained at once.
 fn quiesced_adaptively(test: &str) -> (Backend, PathBuf, Proxy) {

@@ -798,8 +798,8 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
     });
     // The old pods of a real rollout have served their clients for a while: long enough here
     // that the rate their proxies measure before the lame duck (over its last 10 s) is the
-    // load's, not the harness's checks while the pods started (tests/quiesce.rs covers a pod
-    // deleted that young).
+    // load's, not that of the harness's checks while the pods started, which a Service never
+    // sends (it routes to a pod once it is ready).
     thread::sleep(WARM.saturating_sub(flowing_since.elapsed()));
     let mut seeded = Seeded(profile.seed);
     let started = Instant::now();
