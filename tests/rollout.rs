@@ -1160,7 +1160,12 @@ fn rollout_loses_nothing_when_nodes_forget_in_ten_seconds_app_exits_at_once() {
 }
 
 /// About 2 requests a second per pod: a second without a new connection says nothing there, and
-/// the lame duck lasts while nodes may still send.
+/// the lame duck lasts while nodes may still send. It cannot end early by chance: the six
+/// clients send at most one request a second each, so a pod's rate over the 10 s before its
+/// lame duck stays near 2 a second (about 20 of the 60 requests; 4 a second if all three
+/// keep-alive clients sit on it). Only at 6.25 a second would 100 gaps (16 s) fit within the
+/// maximum, which takes nearly every request of all six clients on one pod: each lame duck
+/// lasts its 16 s, beyond the 15 s by which the last copy has forgotten the pod.
 #[test]
 fn a_quiet_service_loses_nothing_when_nodes_forget_in_ten_seconds() {
     let mut quiet = profile(10_000, "graceful", 6);
