@@ -13,12 +13,13 @@
 
 use std::future::Future;
 use std::io;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
+use futures_util::task::AtomicWaker;
 use hyper::body::Incoming;
 use hyper::client::conn::{http1, http2};
 use hyper::{Request, Response};
@@ -189,11 +190,46 @@ struct Idle {
     since: Instant,
 }
 
-/// A connection of hyper's HTTP/1 client: its requests' sender, and the counts of the response
-/// head it is reading.
+/// A connection of hyper's HTTP/1 client: its requests' sender, the counts of the response
+/// head it is reading, and the end of the task that runs it.
 struct Sender {
     requests: http1::SendRequest<Payload>,
     head: Arc<HeadCounts>,
+    task: Arc<TaskEnd>,
+}
+
+/// Whether the task running a connection has ended, for the request waiting on it (see
+/// [`Http1Pool::send`]).
+#[derive(Default)]
+struct TaskEnd {
+    ended: AtomicBool,
+    waiter: AtomicWaker,
+}
+
+impl TaskEnd {
+    /// Resolves once the task has ended.
+    fn ended(&self) -> impl Future<Output = ()> + '_ {
+        std::future::poll_fn(|cx| {
+            if self.ended.load(Ordering::Acquire) {
+                return Poll::Ready(());
+            }
+            self.waiter.register(cx.waker());
+            match self.ended.load(Ordering::Acquire) {
+                true => Poll::Ready(()),
+                false => Poll::Pending,
+            }
+        })
+    }
+}
+
+/// Held by a connection's task: marks its end when the task drops it, after the connection.
+struct EndsWithTask(Arc<TaskEnd>);
+
+impl Drop for EndsWithTask {
+    fn drop(&mut self) {
+        self.0.ended.store(true, Ordering::Release);
+        self.0.waiter.wake();
+    }
 }
 
 impl std::ops::Deref for Sender {
@@ -274,10 +310,30 @@ impl Http1Pool {
                         false => return Err(SendError::Unsent(error, Box::new(request))),
                     }
                 }
-                match sender.try_send_request(request).await {
+                let mut sending = pin!(sender.try_send_request(request));
+                let answered = tokio::select! {
+                    biased;
+                    sent = &mut sending => Some(sent),
+                    // hyper answers every request its connection took, also when the
+                    // connection fails. One sent at the instant it failed can be left in the
+                    // channel to the connection instead (hyper's failing connection looks for
+                    // a request there while the sending is still under way), held by the
+                    // sender and answered never. Once the task has ended, dropping the sender
+                    // drops the channel, which hands the request back unsent.
+                    () = sender.task.ended() => None,
+                };
+                let (sender, sent) = match answered {
+                    Some(sent) => (Some(sender), sent),
+                    None => {
+                        drop(sender);
+                        debug!("the connection to the target ended without taking the request");
+                        (None, sending.await)
+                    }
+                };
+                match sent {
                     Ok(response) => {
                         let lease = Lease {
-                            sender: Some(sender),
+                            sender,
                             pool: self.clone(),
                             done: false,
                         };
@@ -288,7 +344,9 @@ impl Http1Pool {
                         Some(unsent) => {
                             return Err(SendError::Unsent(error.into_error(), Box::new(unsent)));
                         }
-                        None if error.error().is_parse_too_large() => {
+                        None if error.error().is_parse_too_large()
+                            && let Some(sender) = sender =>
+                        {
                             return Err(SendError::BadHead(sender.head.why_too_large()));
                         }
                         None if reused => return Err(SendError::Http(error.into_error())),
@@ -366,13 +424,20 @@ impl Http1Pool {
         let (requests, connection) = http1::handshake(TokioIo::new(io))
             .await
             .map_err(SendError::Http)?;
+        let task = Arc::new(TaskEnd::default());
+        let end = EndsWithTask(task.clone());
         tokio::spawn(async move {
             if let Err(error) = connection.with_upgrades().await {
                 debug!(%error, "connection to the target ended with an error");
             }
             drop(port);
+            drop(end);
         });
-        Ok(Sender { requests, head })
+        Ok(Sender {
+            requests,
+            head,
+            task,
+        })
     }
 
     fn put(&self, sender: Sender) {
@@ -710,6 +775,7 @@ impl Http2Conn {
 mod tests {
     use std::net::SocketAddr;
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::{Duration, Instant};
 
     use bytes::Bytes;
@@ -845,6 +911,72 @@ mod tests {
                 .load(std::sync::atomic::Ordering::Acquire),
             2,
             "the second request did not dial a new connection"
+        );
+    }
+
+    /// A request sent at the instant its connection is reset gets its answer (an error: the
+    /// target never answers), never a wait for ever. hyper's failing HTTP/1 connection looks
+    /// for a queued request while the sending of one may still be under way; when the sending
+    /// thread is preempted just then, the request is left in the channel, unanswered, for as
+    /// long as the sender lives (`Http1Pool::send`). The window is a few instructions wide, so
+    /// the test makes it come: a target that resets every connection as it accepts it, fresh
+    /// connections only, more runtime threads than cores, and enough sends that without the
+    /// fix some of them wait (the commit that added this test has the rate). With it, each
+    /// send ends as soon as its connection's task has: none can time out.
+    #[test]
+    fn a_request_sent_as_its_connection_is_reset_is_answered() {
+        const SENDS: usize = 100_000;
+        const SENDERS: usize = 8;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let target = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                for stream in listener.incoming() {
+                    if stop.load(Ordering::Acquire) {
+                        return;
+                    }
+                    if let Ok(stream) = stream {
+                        crate::net::reset(&stream);
+                    }
+                }
+            })
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .enable_all()
+            .build()
+            .unwrap();
+        let upstream = Arc::new(upstream_to(addr));
+        let waited = runtime.block_on(async move {
+            let senders: Vec<_> = (0..SENDERS)
+                .map(|_| {
+                    let upstream = upstream.clone();
+                    tokio::spawn(async move {
+                        let mut waited = 0;
+                        for _ in 0..SENDS / SENDERS {
+                            match timeout(PATIENCE, upstream.http1.send(get(), true)).await {
+                                Err(_) => waited += 1,
+                                Ok(sent) => assert!(sent.is_err(), "the target answered"),
+                            }
+                        }
+                        waited
+                    })
+                })
+                .collect();
+            let mut waited = 0;
+            for sender in senders {
+                waited += sender.await.unwrap();
+            }
+            waited
+        });
+        stop.store(true, Ordering::Release);
+        let _ = std::net::TcpStream::connect(addr);
+        target.join().unwrap();
+        assert_eq!(
+            waited, 0,
+            "requests left waiting on a connection that had ended"
         );
     }
 }
