@@ -10,6 +10,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
+use std::time::Duration;
 
 use support::backend::read_response;
 use support::h2raw::{self, H2};
@@ -304,8 +305,8 @@ fn a_post_the_callee_reset_unread_is_sent_again_with_its_body() {
             let Ok(mut stream) = stream else { return };
             if number == 0 {
                 // The request arrives and is never read; the close resets it.
-                thread::sleep(std::time::Duration::from_millis(200));
-                let _ = socket2::SockRef::from(&stream).set_linger(Some(std::time::Duration::ZERO));
+                thread::sleep(Duration::from_millis(200));
+                let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
                 continue;
             }
             let seen = seen.clone();
@@ -337,6 +338,85 @@ fn a_post_the_callee_reset_unread_is_sent_again_with_its_body() {
         ),
         1.0
     );
+}
+
+/// A callee that resets its first connection once a request's head is there, unread, and
+/// answers `200 ok` on the others; records each request it read whole (up to `body`).
+fn resetting_callee(body: &'static str) -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let requests = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = requests.clone();
+    thread::spawn(move || {
+        for (number, stream) in listener.incoming().enumerate() {
+            let Ok(mut stream) = stream else { return };
+            let seen = seen.clone();
+            thread::spawn(move || {
+                if number == 0 {
+                    // The head is here, unread; the close of a socket with unread bytes (and
+                    // no linger) resets it.
+                    let _ = stream.peek(&mut [0u8; 1]);
+                    let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
+                    return;
+                }
+                let mut request = Vec::new();
+                let mut byte = [0u8; 1];
+                while !request.ends_with(body.as_bytes()) {
+                    match std::io::Read::read(&mut stream, &mut byte) {
+                        Ok(1) => request.push(byte[0]),
+                        _ => return,
+                    }
+                }
+                seen.lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(&request).into_owned());
+                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
+            });
+        }
+    });
+    (addr, requests)
+}
+
+/// The proxy sends a request's head as soon as it has it, its body as it comes: a callee that
+/// resets the connection unread between the two (a pod that exits as the POST goes out) leaves
+/// the body partly sent or not at all. The POST still never reached the app, and goes again
+/// with its whole body, the part sent and the rest still to come from the client. Not a race:
+/// the client sends its body only after the reset.
+#[test]
+fn a_post_reset_unread_before_its_body_went_out_is_sent_again_whole() {
+    for (sent_first, rest) in [("", "order"), ("ord", "er")] {
+        let (addr, requests) = resetting_callee("order");
+        let proxy = outbound_to(addr, &[]);
+        let mut client = TcpStream::connect(proxy.outbound[0]).unwrap();
+        client.set_read_timeout(Some(PATIENCE)).unwrap();
+        let head = "POST /post HTTP/1.1\r\nHost: callee.test\r\ncontent-length: 5\r\n\r\n";
+        client
+            .write_all(format!("{head}{sent_first}").as_bytes())
+            .unwrap();
+        // Once the callee has reset the first connection: the retry waits for the rest.
+        let deadline = std::time::Instant::now() + PATIENCE;
+        let sample = "lameduck_http_retries_total{direction=\"outbound\",reason=\"unread\",outcome=\"retried\"} 1";
+        while !proxy
+            .get("/metrics")
+            .body
+            .lines()
+            .any(|line| line == sample)
+            && std::time::Instant::now() < deadline
+        {
+            thread::sleep(Duration::from_millis(20));
+        }
+        client.write_all(rest.as_bytes()).unwrap();
+        let response = read_response(&mut client).unwrap();
+        assert_eq!(
+            response.status,
+            200,
+            "{sent_first:?}: {:?}",
+            String::from_utf8_lossy(&response.body)
+        );
+        let requests = requests.lock().unwrap();
+        assert_eq!(requests.len(), 1, "{requests:?}");
+        assert!(requests[0].ends_with("\r\n\r\norder"), "{requests:?}");
+    }
 }
 
 /// A callee whose first connection answers one request with keep-alive and then closes on the
@@ -414,7 +494,7 @@ fn a_post_the_callee_closed_its_pooled_connection_on_unread_is_sent_again() {
                     let response = read_response(&mut client)
                         .unwrap_or_else(|error| panic!("{engine}: {request:?}: {error}"));
                     statuses.push(response.status);
-                    thread::sleep(std::time::Duration::from_millis(20));
+                    thread::sleep(Duration::from_millis(20));
                 }
                 let requests = requests.lock().unwrap().clone();
                 // The POST on the pooled first connection: the case this test is about.

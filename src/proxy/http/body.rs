@@ -18,29 +18,139 @@ pub enum Payload {
     Request(Incoming, RequestBodyGuard, Stall),
     Bytes(Option<Bytes>),
     /// A request body whose bytes are kept as they go out (see [`Held`]).
-    Held(Box<Payload>, Arc<Mutex<Held>>),
+    Held(HeldBody),
 }
 
 /// The most of a request body kept to send it again (an outbound retry after the target reset
 /// the connection without reading it); a larger body is not kept, and its request not retried.
 pub const HELD_BODY_LIMIT: usize = 64 * 1024;
 
-/// A request body's bytes, kept as they go to the target up to [`HELD_BODY_LIMIT`]: the
-/// frames' own buffers, shared (no copy unless the body is sent again).
-#[derive(Default)]
+/// A request body that may go again: its bytes, kept as they go to the target up to
+/// [`HELD_BODY_LIMIT`] (the frames' own buffers, shared: no copy), and what is still to come
+/// from the client. Shared between the request's tries: a try that fails before the body has
+/// all gone out (the target reset the connection between its head and its body) leaves the rest
+/// here, and the next try sends the kept bytes, then the rest as it comes.
 pub struct Held {
+    /// The client's body from where the kept bytes end; none once it has ended.
+    rest: Option<Box<Payload>>,
     chunks: Vec<Bytes>,
     len: usize,
-    /// The body ended, and every byte of it is in `bytes`.
+    /// The body ended, and every byte of it is in `chunks`.
     whole: bool,
     /// Over the limit, or trailers: not kept.
     given_up: bool,
+    /// The try whose body reads on: an earlier try's connection, failed, may still hold its
+    /// body, which must not take the next try's bytes.
+    try_number: u32,
 }
 
 impl Held {
-    /// The whole body, if it was read to its end and kept.
-    pub fn whole(&self) -> Option<Bytes> {
-        (self.whole && !self.given_up).then(|| Bytes::from(self.chunks.concat()))
+    /// Keeps `body` as it goes: the shared record, and the body of the first try.
+    pub fn keep(body: Payload) -> (Arc<Mutex<Held>>, Payload) {
+        let held = Arc::new(Mutex::new(Held {
+            rest: Some(Box::new(body)),
+            chunks: Vec::new(),
+            len: 0,
+            whole: false,
+            given_up: false,
+            try_number: 0,
+        }));
+        let first = Payload::Held(HeldBody {
+            held: held.clone(),
+            try_number: 0,
+            next: 0,
+        });
+        (held, first)
+    }
+
+    /// Whether the body can go again whole: every byte that went out was kept, and the rest is
+    /// still to come (or there is none).
+    pub fn can_go_again(&self) -> bool {
+        !self.given_up && (self.whole || self.rest.is_some())
+    }
+
+    /// The body of the next try (when [`Held::can_go_again`]): the kept bytes, then the rest.
+    /// The earlier tries' bodies read no further.
+    pub fn again(held: &Arc<Mutex<Held>>) -> Payload {
+        let mut state = crate::sync::lock(held);
+        state.try_number += 1;
+        Payload::Held(HeldBody {
+            held: held.clone(),
+            try_number: state.try_number,
+            next: 0,
+        })
+    }
+}
+
+/// One try's view of a [`Held`] body: which kept chunk it sends next.
+pub struct HeldBody {
+    held: Arc<Mutex<Held>>,
+    try_number: u32,
+    next: usize,
+}
+
+impl HeldBody {
+    fn poll_frame(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let mut held = crate::sync::lock(&self.held);
+        if held.try_number != self.try_number {
+            return Poll::Ready(Some(Err(
+                "the request went again on another connection".into()
+            )));
+        }
+        if let Some(chunk) = held.chunks.get(self.next) {
+            self.next += 1;
+            return Poll::Ready(Some(Ok(Frame::data(chunk.clone()))));
+        }
+        let held = &mut *held;
+        let Some(rest) = held.rest.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let poll = Pin::new(&mut **rest).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &poll {
+            match frame.data_ref() {
+                Some(data) if !held.given_up && held.len + data.len() <= HELD_BODY_LIMIT => {
+                    held.len += data.len();
+                    held.chunks.push(data.clone());
+                    self.next += 1;
+                }
+                _ => {
+                    held.given_up = true;
+                    held.chunks = Vec::new();
+                }
+            }
+        }
+        if reached_end(&poll, &**rest) {
+            held.whole = true;
+            // The client's body ends here: its guard tells its connection now, not when the
+            // request's last try is over.
+            held.rest = None;
+        }
+        poll
+    }
+
+    fn is_end_stream(&self) -> bool {
+        let held = crate::sync::lock(&self.held);
+        held.try_number != self.try_number
+            || (self.next >= held.chunks.len()
+                && held.rest.as_ref().is_none_or(|rest| rest.is_end_stream()))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let held = crate::sync::lock(&self.held);
+        let kept: usize = held.chunks.iter().skip(self.next).map(Bytes::len).sum();
+        let Some(rest) = held.rest.as_ref() else {
+            return SizeHint::with_exact(kept as u64);
+        };
+        let rest = rest.size_hint();
+        let mut hint = SizeHint::new();
+        hint.set_lower(rest.lower() + kept as u64);
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper + kept as u64);
+        }
+        hint
     }
 }
 
@@ -161,23 +271,7 @@ impl Body for Payload {
                 stall.watch(poll, cx)
             }
             Payload::Bytes(bytes) => Poll::Ready(bytes.take().map(|bytes| Ok(Frame::data(bytes)))),
-            Payload::Held(body, held) => {
-                let poll = Pin::new(&mut **body).poll_frame(cx);
-                let mut held = crate::sync::lock(held);
-                if let Poll::Ready(Some(Ok(frame))) = &poll {
-                    match frame.data_ref() {
-                        Some(data) if held.len + data.len() <= HELD_BODY_LIMIT => {
-                            held.len += data.len();
-                            held.chunks.push(data.clone());
-                        }
-                        _ => held.given_up = true,
-                    }
-                }
-                if reached_end(&poll, &**body) {
-                    held.whole = true;
-                }
-                poll
-            }
+            Payload::Held(body) => body.poll_frame(cx),
         }
     }
 
@@ -185,7 +279,7 @@ impl Body for Payload {
         match self {
             Payload::Stream(body, _) | Payload::Request(body, _, _) => body.is_end_stream(),
             Payload::Bytes(bytes) => bytes.is_none(),
-            Payload::Held(body, _) => body.is_end_stream(),
+            Payload::Held(body) => body.is_end_stream(),
         }
     }
 
@@ -195,7 +289,7 @@ impl Body for Payload {
             Payload::Bytes(bytes) => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }
-            Payload::Held(body, _) => body.size_hint(),
+            Payload::Held(body) => body.size_hint(),
         }
     }
 }

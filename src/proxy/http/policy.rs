@@ -332,7 +332,8 @@ impl Tries {
 
 /// Whether an outbound request that got no answer may be sent again (when the retry budget
 /// allows, and within its deadline): one that never reached the app whatever its method, its
-/// body only if none of it was sent (`body_whole`); one that may have reached it only when it is
+/// body only if it can go again whole (`body_whole`: handed back unsent, or kept as far as it
+/// went with the rest still to come); one that may have reached it only when it is
 /// idempotent and has no body (RFC 9110 section 9.2.2). Inbound requests are never retried
 /// beyond the keep-alive race ([`may_replay`]): the app behind them is this pod's own.
 pub(crate) fn may_retry(

@@ -10,8 +10,8 @@
 
 use std::io;
 use std::pin::{Pin, pin};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -305,10 +305,13 @@ fn send(
         let has_body = !request.body().is_end_stream();
         // Outbound, a request's body is kept as it goes (up to a bound), to send it whole
         // again should the target reset the connection without reading it.
-        let held = (retries.is_some() && has_body).then(|| Arc::new(Mutex::new(Held::default())));
-        let request = match &held {
-            Some(held) => request.map(|body| Payload::Held(Box::new(body), held.clone())),
-            None => request,
+        let (held, request) = match retries.is_some() && has_body {
+            true => {
+                let (parts, body) = request.into_parts();
+                let (held, body) = Held::keep(body);
+                (Some(held), Request::from_parts(parts, body))
+            }
+            false => (None, request),
         };
         // The request's parts, to send it again; the headers as a list, not a second map: a
         // map's clone also copies its hash index, and the copy is almost never used.
@@ -333,8 +336,11 @@ fn send(
             let request = match (next.take(), &parts) {
                 (Some(request), _) => request,
                 (None, Some((method, uri, version_of_request, headers))) => {
-                    let body = held.as_ref().and_then(|held| lock(held).whole());
-                    let mut again = Request::new(Payload::Bytes(body));
+                    let body = match &held {
+                        Some(held) => Held::again(held),
+                        None => Payload::Bytes(None),
+                    };
+                    let mut again = Request::new(body);
                     *again.method_mut() = method.clone();
                     *again.uri_mut() = uri.clone();
                     *again.version_mut() = *version_of_request;
@@ -367,10 +373,10 @@ fn send(
             let (Some(retries), Some(unanswered)) = (retries, failure.unanswered) else {
                 return Err(failure);
             };
-            let body_whole = unsent.is_some()
-                || held
-                    .as_ref()
-                    .is_some_and(|held| lock(held).whole().is_some());
+            // The body can go again whole: handed back unsent, or kept as far as it went with
+            // the rest still to come.
+            let body_whole =
+                unsent.is_some() || held.as_ref().is_some_and(|held| lock(held).can_go_again());
             let handoff = upstream.handoff_mark.is_some();
             let allowed = tries.left(unanswered, handoff)
                 && (unsent.is_some() || (parts.is_some() && (!has_body || body_whole)))
