@@ -296,36 +296,8 @@ fn an_http2_stream_the_callee_refused_or_never_processed_is_sent_again() {
 /// again, its body (kept as it went) whole.
 #[test]
 fn a_post_the_callee_reset_unread_is_sent_again_with_its_body() {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let bodies = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let seen = bodies.clone();
-    thread::spawn(move || {
-        for (number, stream) in listener.incoming().enumerate() {
-            let Ok(mut stream) = stream else { return };
-            if number == 0 {
-                // The request arrives and is never read; the close resets it.
-                thread::sleep(Duration::from_millis(200));
-                let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
-                continue;
-            }
-            let seen = seen.clone();
-            thread::spawn(move || {
-                let mut request = Vec::new();
-                let mut byte = [0u8; 1];
-                while !request.ends_with(b"order") {
-                    match std::io::Read::read(&mut stream, &mut byte) {
-                        Ok(1) => request.push(byte[0]),
-                        _ => return,
-                    }
-                }
-                seen.lock()
-                    .unwrap()
-                    .push(String::from_utf8_lossy(&request).into_owned());
-                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
-            });
-        }
-    });
+    // The whole request arrives and is never read.
+    let (addr, bodies) = resetting_callee(Duration::from_millis(200));
     let proxy = outbound_to(addr, &[]);
     let post = "POST /post HTTP/1.1\r\nHost: callee.test\r\ncontent-length: 5\r\n\r\norder";
     assert_eq!(exchange(proxy.outbound[0], post), 200);
@@ -340,9 +312,9 @@ fn a_post_the_callee_reset_unread_is_sent_again_with_its_body() {
     );
 }
 
-/// A callee that resets its first connection once a request's head is there, unread, and
-/// answers `200 ok` on the others; records each request it read whole (up to `body`).
-fn resetting_callee(body: &'static str) -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+/// A callee that resets its first connection `after` a request's first bytes came, unread, and
+/// answers `200 ok` on the others; records each request it read (up to its body, `order`).
+fn resetting_callee(after: Duration) -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let requests = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -353,15 +325,15 @@ fn resetting_callee(body: &'static str) -> (SocketAddr, Arc<std::sync::Mutex<Vec
             let seen = seen.clone();
             thread::spawn(move || {
                 if number == 0 {
-                    // The head is here, unread; the close of a socket with unread bytes (and
-                    // no linger) resets it.
+                    // The close of a socket with unread bytes (and no linger) resets it.
                     let _ = stream.peek(&mut [0u8; 1]);
+                    thread::sleep(after);
                     let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
                     return;
                 }
                 let mut request = Vec::new();
                 let mut byte = [0u8; 1];
-                while !request.ends_with(body.as_bytes()) {
+                while !request.ends_with(b"order") {
                     match std::io::Read::read(&mut stream, &mut byte) {
                         Ok(1) => request.push(byte[0]),
                         _ => return,
@@ -385,7 +357,7 @@ fn resetting_callee(body: &'static str) -> (SocketAddr, Arc<std::sync::Mutex<Vec
 #[test]
 fn a_post_reset_unread_before_its_body_went_out_is_sent_again_whole() {
     for (sent_first, rest) in [("", "order"), ("ord", "er")] {
-        let (addr, requests) = resetting_callee("order");
+        let (addr, requests) = resetting_callee(Duration::ZERO);
         let proxy = outbound_to(addr, &[]);
         let mut client = TcpStream::connect(proxy.outbound[0]).unwrap();
         client.set_read_timeout(Some(PATIENCE)).unwrap();
