@@ -38,7 +38,7 @@ mod support;
 #[path = "pod/testapp.rs"]
 mod testapp;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::process::{Command, Stdio};
@@ -429,6 +429,10 @@ impl Cluster {
             // The callees close each connection after 5 requests, as servers bound keep-alive:
             // the caller's proxy dials some 40 times a second, each dial a draw of the rules.
             pod.add_env("app", "KEEP_ALIVE_REQUESTS", "5");
+            // An app that exits at once may die with a POST it read and never passed on: it
+            // prints each request it reads, before it can exit, so that such a POST counts as
+            // one that reached it.
+            pod.add_env("app", "RECORD_READS", "1");
         }
         for (name, value) in proxy_env {
             pod.add_env("lameduck-proxy", name, value);
@@ -688,6 +692,8 @@ struct Gone {
     why: String,
     /// Its proxy's log from the lame duck's end on, for a failure's message.
     tail: Tail,
+    /// The requests its app read, where it records them (a meshed caller's callees).
+    read: HashSet<u64>,
 }
 
 /// Some lines of a log, shown whole only where a message asks for them.
@@ -888,9 +894,14 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
                 .skip_while(|line| !line.contains("lame duck over"))
                 .collect::<Vec<_>>()
                 .join("\n");
+            let read = log
+                .lines()
+                .filter_map(|line| line.split("app: read id=").nth(1)?.trim().parse().ok())
+                .collect();
             Gone {
                 why,
                 tail: Tail(tail),
+                read,
                 last_forgot,
                 lame_duck,
                 late,
@@ -967,17 +978,28 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
         pods.join("; ")
     );
     let posts = Arc::try_unwrap(posts).unwrap().into_inner().unwrap();
-    // A failed POST is right only if the app saw it (it may have acted on it).
+    // A failed POST is right only if the app saw it (it may have acted on it): the upstream
+    // got its call, or an app read it and exited before making the call.
+    let read: HashSet<u64> = gone
+        .iter()
+        .flat_map(|gone| gone.read.iter().copied())
+        .collect();
+    let id_of = |why: &String| {
+        why.strip_prefix("id ")
+            .and_then(|rest| rest.split(':').next()?.parse::<u64>().ok())
+    };
     let posts_unreached: Vec<String> = posts
         .failed
         .iter()
-        .filter(|why| {
-            why.strip_prefix("id ")
-                .and_then(|rest| rest.split(':').next()?.parse::<u64>().ok())
-                .is_none_or(|id| !seen.contains(&id))
-        })
+        .filter(|why| id_of(why).is_none_or(|id| !seen.contains(&id) && !read.contains(&id)))
         .cloned()
         .collect();
+    let posts_read_only = posts
+        .failed
+        .iter()
+        .filter_map(id_of)
+        .filter(|id| !seen.contains(id) && read.contains(id))
+        .count();
     // The caller's retries, from its proxy's metrics.
     let retried = caller.as_ref().map(|_| {
         let admin = SocketAddr::from((cluster.pod_ip(CALLER_INDEX), 4191));
@@ -998,8 +1020,9 @@ fn rollout(tag: &str, k: u8, profile: Profile) -> Option<Run> {
     });
     if let Some((retried, exhausted)) = retried {
         eprintln!(
-            "{tag}: meshed caller: {} POSTs answered, {} failed ({} never reached a callee); \
-             its proxy retried {retried} requests, {exhausted} over the budget",
+            "{tag}: meshed caller: {} POSTs answered, {} failed ({} never reached a callee, \
+             {posts_read_only} read by an app that exited before its call); its proxy retried \
+             {retried} requests, {exhausted} over the budget",
             posts.ok,
             posts.failed.len(),
             posts_unreached.len()
@@ -1254,6 +1277,12 @@ fn caller_loses_nothing(tag: &str, run: Option<Run>) {
         run.posts.ok > 100,
         "{tag}: only {} POSTs answered",
         run.posts.ok
+    );
+    let read: usize = run.gone.iter().map(|gone| gone.read.len()).sum();
+    assert!(
+        read > 100,
+        "{tag}: the old callees recorded {read} requests read: a POST an app read and died with \
+         would look like one that never reached it"
     );
     // Whether anything needed a retry depends on which pooled connections the rollout cut;
     // without_retries_a_meshed_caller_sees_its_callee_roll shows that some do.

@@ -8,12 +8,16 @@ at $UPSTREAM (host:port) when the pod's traffic is intercepted.
   app.py immediate  on SIGTERM: exit at once
 
 With KEEP_ALIVE_REQUESTS=N it closes each connection after N requests (the last response says
-`Connection: close`), as servers bound their keep-alive connections.
+`Connection: close`), as servers bound their keep-alive connections. With RECORD_READS=1 it
+prints `app: read id=N` for each request it reads, before it can exit (see RecordingReader).
 """
 
 import http.client
 import http.server
+import io
 import os
+import re
+import select
 import signal
 import sys
 import threading
@@ -23,6 +27,39 @@ MODE = sys.argv[1]
 _host, _, _port = os.environ.get("UPSTREAM", "127.0.0.1:4140").rpartition(":")
 OUTBOUND = (_host, int(_port))
 KEEP_ALIVE_REQUESTS = int(os.environ.get("KEEP_ALIVE_REQUESTS", "0"))
+RECORD_READS = os.environ.get("RECORD_READS") == "1"
+# Held while bytes are taken from a connection and the ids in them printed, and by an
+# immediate exit: a request the app read is on record even when the app exits right after.
+READING = threading.Lock()
+
+
+class RecordingReader(io.RawIOBase):
+    """A connection's bytes as its handler reads them, each request id in them printed as they
+    leave the kernel. A request the app read, and then died with, reached it: the test must not
+    count it as one that never did, as the upstream's record alone would."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        # The bytes after the last id found, where an id cut between two reads begins.
+        self.tail = b""
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        # Waits outside the lock (the socket's own timeout applies), reads within it.
+        ready, _, _ = select.select([self.sock], [], [], self.sock.gettimeout())
+        if not ready:
+            raise TimeoutError("timed out")
+        with READING:
+            count = self.sock.recv_into(buffer)
+            data = self.tail + bytes(buffer[:count])
+            end = 0
+            for found in re.finditer(rb"[?&]id=(\d+)[ &]", data):
+                print(f"app: read id={int(found.group(1))}", flush=True)
+                end = found.end()
+            self.tail = data[end:][-64:]
+        return count
 
 
 def call_upstream(path):
@@ -76,6 +113,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("Content-Length", "0")))
         self.do_GET()
 
+    def setup(self):
+        super().setup()
+        if RECORD_READS:
+            self.rfile = io.BufferedReader(RecordingReader(self.connection))
+
     def log_message(self, *args):
         pass
 
@@ -91,6 +133,8 @@ server = Server(("0.0.0.0", 8080), Handler)
 def on_sigterm(*_):
     print(f"app: SIGTERM ({MODE})", flush=True)
     if MODE == "immediate":
+        # Never between a read and its record (RecordingReader).
+        READING.acquire()
         os._exit(0)
     threading.Thread(target=server.shutdown).start()
 
