@@ -328,7 +328,7 @@ fn resetting_callee(after: Duration) -> (SocketAddr, Arc<std::sync::Mutex<Vec<St
                     // The close of a socket with unread bytes (and no linger) resets it.
                     let _ = stream.peek(&mut [0u8; 1]);
                     thread::sleep(after);
-                    let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
+                    reset_close(stream);
                     return;
                 }
                 let mut request = Vec::new();
@@ -366,17 +366,14 @@ fn a_post_reset_unread_before_its_body_went_out_is_sent_again_whole() {
             .write_all(format!("{head}{sent_first}").as_bytes())
             .unwrap();
         // Once the callee has reset the first connection: the retry waits for the rest.
-        let deadline = std::time::Instant::now() + PATIENCE;
         let sample = "lameduck_http_retries_total{direction=\"outbound\",reason=\"unread\",outcome=\"retried\"} 1";
-        while !proxy
-            .get("/metrics")
-            .body
-            .lines()
-            .any(|line| line == sample)
-            && std::time::Instant::now() < deadline
-        {
-            thread::sleep(Duration::from_millis(20));
-        }
+        wait_until("the POST going again", PATIENCE, || {
+            proxy
+                .get("/metrics")
+                .body
+                .lines()
+                .any(|line| line == sample)
+        });
         client.write_all(rest.as_bytes()).unwrap();
         let response = read_response(&mut client).unwrap();
         assert_eq!(

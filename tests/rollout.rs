@@ -1280,8 +1280,8 @@ fn caller_loses_nothing(tag: &str, run: Option<Run>) {
     );
     let read: usize = run.gone.iter().map(|gone| gone.read.len()).sum();
     assert!(
-        read > 100,
-        "{tag}: the old callees recorded {read} requests read: a POST an app read and died with \
+        read > 0,
+        "{tag}: the old callees recorded no request read: a POST an app read and died with \
          would look like one that never reached it"
     );
     // Whether anything needed a retry depends on which pooled connections the rollout cut;

@@ -47,9 +47,12 @@ class RecordingReader(io.RawIOBase):
         return True
 
     def readinto(self, buffer):
-        # Waits outside the lock (the socket's own timeout applies), reads within it.
-        ready, _, _ = select.select([self.sock], [], [], self.sock.gettimeout())
-        if not ready:
+        # Waits outside the lock (the socket's own timeout applies), reads within it. poll,
+        # not select: a busy app's descriptors may pass select's limit.
+        waiting = select.poll()
+        waiting.register(self.sock, select.POLLIN)
+        timeout = self.sock.gettimeout()
+        if not waiting.poll(None if timeout is None else timeout * 1000):
             raise TimeoutError("timed out")
         with READING:
             count = self.sock.recv_into(buffer)
